@@ -1,0 +1,107 @@
+"""Which kernel library each op uses on CUDA, decided once at ``patch()`` time.
+
+Every op has a pure-torch reference that runs on any device and is always what runs on CPU. On CUDA an op
+uses the library named here when it is installed. Libraries are imported lazily, on first use, so importing
+compilepack never imports a CUDA-only package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import importlib.util
+from types import ModuleType
+
+REFERENCE = "reference"
+
+# op kind -> candidate backends on CUDA, best first. "torch_varlen" is torch's own varlen attention.
+CANDIDATES: dict[str, tuple[str, ...]] = {
+    "attention": ("flash_attn", "torch_varlen", REFERENCE),
+    "conv": ("causal_conv1d", REFERENCE),
+    "gated_delta": ("fla", REFERENCE),
+    "ssd": ("mamba_ssm", REFERENCE),
+}
+
+# backend name -> importable module that proves it is installed
+_PROBE_MODULE = {
+    "flash_attn": "flash_attn",
+    "torch_varlen": "torch.nn.attention.varlen",
+    "causal_conv1d": "causal_conv1d",
+    "fla": "fla",
+    "mamba_ssm": "mamba_ssm",
+    REFERENCE: None,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Backends:
+    """The backend of each op kind (a name from ``CANDIDATES``), used when the op's tensors are on CUDA."""
+
+    attention: str = REFERENCE
+    conv: str = REFERENCE
+    gated_delta: str = REFERENCE
+    ssd: str = REFERENCE
+
+    def describe(self) -> str:
+        return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+
+
+def is_installed(backend: str) -> bool:
+    """True when the backend's package can be imported (checked without importing it)."""
+    module = _PROBE_MODULE[backend]
+    if module is None:
+        return True
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def resolve(backend: str | dict[str, str] | Backends = "auto") -> Backends:
+    """Turn the user's ``backend=`` argument into a :class:`Backends`.
+
+    ``"auto"`` picks, per op kind, the first installed candidate; ``"reference"`` forces the pure-torch
+    reference everywhere; a dict overrides single kinds (``{"attention": "torch_varlen"}``), the rest auto.
+    """
+    if isinstance(backend, Backends):
+        return backend
+    if backend == REFERENCE:
+        return Backends()
+    overrides: dict[str, str] = {}
+    if isinstance(backend, dict):
+        overrides = dict(backend)
+    elif backend != "auto":
+        raise ValueError(
+            f"backend={backend!r} is not understood: expected 'auto', 'reference', a dict such as "
+            f"{{'attention': 'torch_varlen'}}, or a compilepack.backends.Backends."
+        )
+    chosen = {}
+    for kind, candidates in CANDIDATES.items():
+        if kind in overrides:
+            name = overrides.pop(kind)
+            if name not in candidates:
+                raise ValueError(f"backend for {kind!r} must be one of {candidates}, got {name!r}.")
+            if not is_installed(name):
+                raise ValueError(f"backend {name!r} for {kind!r} is not installed; install it or use 'auto'.")
+            chosen[kind] = name
+        else:
+            chosen[kind] = next(name for name in candidates if is_installed(name))
+    if overrides:
+        raise ValueError(f"unknown op kinds in backend=: {sorted(overrides)}; expected {sorted(CANDIDATES)}.")
+    return Backends(**chosen)
+
+
+@functools.cache
+def load(module_name: str) -> ModuleType:
+    """Import a kernel module on first use (never at compilepack import time)."""
+    return importlib.import_module(module_name)
+
+
+def use_kernel(tensor, backend: str) -> bool:
+    """Whether an op call runs the CUDA library ``backend`` rather than the reference.
+
+    Decided from static facts only (device type, the backend name chosen at patch time), so it never
+    branches on tensor data. Tests replace this function to drive the kernel paths on CPU with fakes.
+    """
+    return backend != REFERENCE and tensor.device.type == "cuda"

@@ -1,0 +1,1 @@
+"""Boundary-aware sequence-mixing ops, each a ``torch.library.custom_op`` in the ``compilepack::`` namespace."""

@@ -1,0 +1,34 @@
+"""Small helpers shared by the ops: boundary conversions that are safe inside a compiled graph."""
+
+from __future__ import annotations
+
+import torch
+
+
+def seq_idx_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Document index of every token, ``int32 [total]``, from ``cu_seqlens`` ``[N+1]``.
+
+    Traced as one ``searchsorted`` (no host sync, no data-dependent shape). Zero-length documents (the
+    fixed-shape collator's unused slots) take no tokens, so they never appear in the result.
+    """
+    positions = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    return torch.searchsorted(cu_seqlens[1:].contiguous(), positions, right=True).to(torch.int32)
+
+
+def doc_starts_from_seq_idx(seq_idx: torch.Tensor) -> torch.Tensor:
+    """Bool mask, same shape as ``seq_idx`` ``[..., T]``: True where a token starts a new document.
+
+    The first token of every row counts as a start, so rows never leak into each other either.
+    """
+    starts = torch.ones_like(seq_idx, dtype=torch.bool)
+    starts[..., 1:] = seq_idx[..., 1:] != seq_idx[..., :-1]
+    return starts
+
+
+def host_boundaries(cu_seqlens: torch.Tensor) -> list[int]:
+    """``cu_seqlens`` as Python ints, for reference ops that loop over documents.
+
+    Only called inside custom-op bodies, which the compiler treats as opaque: the conversion never
+    becomes a graph break. On CPU it is free; a CUDA reference path pays one sync here.
+    """
+    return cu_seqlens.tolist()

@@ -1,0 +1,27 @@
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+# Two CPU cores: keep torch from oversubscribing them, and keep hypothesis runs short but real.
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+settings.register_profile(
+    "ci",
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    derandomize=True,
+)
+settings.register_profile("dev", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test counts its own graphs and compiles."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
