@@ -1,0 +1,72 @@
+"""Benchmark helper: stock transformers ``causal_conv1d_fn`` vs ``compilepack::causal_conv1d_varlen``.
+
+Sizes of a small Qwen3.5 Gated DeltaNet layer: conv channels D = 2 * key_dim + value_dim ~ 1024, width 4,
+one packed row (B = 1), silu activation, x channel-last as transformers passes it (the transpose of the
+``[B, T, D]`` projection).
+"""
+
+from __future__ import annotations
+
+import torch
+
+NAME = "causal_conv1d"
+
+
+def doc_lengths_of(T: int, n_docs: int, generator: torch.Generator) -> list[int]:
+    """``n_docs`` random positive lengths summing to ``T``."""
+    cuts = torch.randperm(T - 1, generator=generator)[: n_docs - 1].add(1).sort().values.tolist()
+    bounds = [0, *cuts, T]
+    return [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+
+
+def setup(T: int = 2048, n_docs: int = 16, device: str = "cpu", seed: int = 0, *, dim: int = 1024, width: int = 4):
+    from transformers.models.qwen3_next.modeling_qwen3_next import causal_conv1d_fn
+
+    from compilepack.ops.causal_conv1d import causal_conv1d_varlen
+
+    generator = torch.Generator().manual_seed(seed)
+    lengths = doc_lengths_of(T, n_docs, generator)
+    seq_idx = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None].to(torch.int32)
+    x = torch.randn(1, T, dim, generator=generator).transpose(1, 2).to(device).requires_grad_()
+    weight = torch.randn(dim, width, generator=generator).mul_(width**-0.5).to(device).requires_grad_()
+    bias = torch.randn(dim, generator=generator).mul_(0.1).to(device).requires_grad_()
+    seq_idx = seq_idx.to(device)
+    backend = "causal_conv1d" if device.startswith("cuda") else "reference"
+
+    def stock():
+        return causal_conv1d_fn(x, weight, bias, activation="silu")
+
+    def packed():
+        return causal_conv1d_varlen(x, weight, bias, seq_idx, "silu", backend=backend)
+
+    return {"stock": stock, "packed": packed, "inputs": [x, weight, bias]}
+
+
+if __name__ == "__main__":
+    import statistics
+    import time
+
+    torch.set_num_threads(2)
+
+    def median_ms(fn, repeats: int = 21, warmup: int = 3) -> float:
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * 1e3
+
+    for dim in (512, 1024):
+        case = setup(dim=dim)
+        grad = torch.randn(1, dim, 2048)
+        row = {}
+        for name in ("stock", "packed"):
+            fn = case[name]
+            with torch.no_grad():
+                row[name + " fwd"] = median_ms(fn)
+            row[name + " fwd+bwd"] = median_ms(lambda: fn().backward(grad))
+        ratio = row["packed fwd+bwd"] / row["stock fwd+bwd"]
+        print(f"D={dim} T=2048 16 docs W=4 silu: " + ", ".join(f"{k} {v:.2f} ms" for k, v in row.items()),
+              f"-> packed/stock fwd+bwd {ratio:.2f}x")

@@ -1,0 +1,331 @@
+"""``compilepack::causal_conv1d_varlen``: depthwise causal conv1d that never reads across a document start.
+
+The op takes the layout transformers passes to ``causal_conv1d_fn`` (``x [B, D, T]``, the transpose of a
+``[B, T, D]`` projection) and returns the same channel-last layout: ``out`` is the transpose of a contiguous
+``[B, T, D]`` tensor (strides ``(T*D, 1, D)``) on every path, which is what the causal-conv1d kernel returns
+for channel-last input (``torch.empty_like(x)``) and what the caller's ``out.transpose(1, 2)`` wants.
+
+Reference (any device, pure torch), in ``[B, T, D]`` so every tap is a contiguous slice:
+  forward  = the plain conv as W fused multiply-adds (``addcmul_``), then the rows within W-1 tokens after a
+             document start (the only rows a tap can leak into) recomputed exactly from gathered, masked taps;
+  backward = the transposed conv the same way (rows within W-1 tokens before a document end recomputed), the
+             weight gradient as W dot products minus the few leaked pairs, the bias gradient as a sum.
+The silu activation is fused: its input (the conv output) is recomputed in the backward, as the CUDA kernel
+does, so nothing but the inputs is saved. The boundary rows are found with one ``nonzero`` per call inside
+the op body (opaque to the compiler; free on CPU, one sync on a CUDA device that lacks causal-conv1d).
+
+CUDA: causal-conv1d (read at v1.6.1, commit 0d2252d; the ``cpp_functions`` module exists since v1.5.1).
+Forward ``causal_conv1d.causal_conv1d_fn(x, weight, bias, seq_idx=, activation=)``; backward the function its
+``CausalConv1dFn.backward`` calls, ``causal_conv1d.cpp_functions.causal_conv1d_bwd_function``, so no forward is
+re-run in Python. The kernel masks every tap by ``seq_idx`` equality, which for a non-decreasing row is
+exactly "same document". It needs channel-last x (``stride(1) == 1``, ``stride(0)`` and ``stride(2)``
+multiples of 8), ``D % 8 == 0``, ``2 <= W <= 4``, int32 contiguous ``seq_idx``; x is used as is when it is a
+dense channel-last tensor (what transformers passes) and copied into one otherwise. Shapes the kernel
+cannot take (``D % 8 != 0``, ``W > 4``, other dtypes) run the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from compilepack import backends
+
+ACTIVATIONS = (None, "silu", "swish")
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def causal_conv1d_varlen(x, weight, bias, seq_idx, activation=None, *, backend: str = "reference"):
+    """Depthwise causal conv1d over packed rows: no tap reaches across a document start.
+
+    Args:
+        x: ``[B, D, T]`` float, any strides; transformers passes the transpose of a contiguous ``[B, T, D]``
+            (channel-last), which is also the layout the CUDA kernel needs (other layouts are copied there).
+        weight: ``[D, W]`` (transformers passes ``conv1d.weight.squeeze(1)``).
+        bias: ``[D]`` or None.
+        seq_idx: ``[B, T]`` integer (int32 from the HF collator), the document index of every token,
+            non-decreasing along a row; a document starts where it changes and at the first token of each
+            row, so rows are independent and ids may be global across rows. Moved to x's device if needed.
+        activation: None, ``"silu"`` or ``"swish"`` (the same function), fused into forward and backward.
+        backend: the CUDA library used when x is on CUDA (``"causal_conv1d"``) or ``"reference"``.
+
+    Returns:
+        ``[B, D, T]`` in x's dtype, channel-last: the transpose of a contiguous ``[B, T, D]``.
+        Computed in float32 (or float64 for float64 weights), as the CUDA kernel accumulates.
+    """
+    _check_arguments(x, weight, bias, seq_idx, activation)
+    silu = activation is not None
+    return torch.ops.compilepack.causal_conv1d_varlen(x, weight, bias, seq_idx, silu, backend)
+
+
+def _check_arguments(x, weight, bias, seq_idx, activation) -> None:
+    """Shape and dtype checks only (no tensor data), so they trace without a graph break."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}.")
+    if x.dim() != 3 or not x.is_floating_point():
+        raise ValueError(f"x must be a float [B, D, T] tensor, got {x.dim()}-D {x.dtype} of shape {tuple(x.shape)}.")
+    batch, dim, seqlen = x.shape
+    if weight.dim() != 2 or weight.shape[0] != dim or not weight.is_floating_point():
+        raise ValueError(
+            f"weight must be a float [D, W] tensor with D={dim} (x.shape[1]); got {weight.dtype} of shape "
+            f"{tuple(weight.shape)}. Pass conv1d.weight.squeeze(1)."
+        )
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != dim or not bias.is_floating_point()):
+        raise ValueError(f"bias must be None or a float [D] tensor with D={dim}; got {bias.dtype} {tuple(bias.shape)}.")
+    if seq_idx.dim() != 2 or seq_idx.shape[0] != batch or seq_idx.shape[1] != seqlen:
+        raise ValueError(
+            f"seq_idx must have shape [B, T] = {(batch, seqlen)} (x.shape[0], x.shape[2]); got {tuple(seq_idx.shape)}."
+        )
+    if seq_idx.is_floating_point() or seq_idx.is_complex() or seq_idx.dtype == torch.bool:
+        raise ValueError(f"seq_idx must be an integer tensor (int32 as the HF collator emits it), got {seq_idx.dtype}.")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# custom ops
+
+
+@torch.library.custom_op("compilepack::causal_conv1d_varlen", mutates_args=())
+def _forward_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    seq_idx: torch.Tensor,
+    silu: bool,
+    backend: str,
+) -> torch.Tensor:
+    if backends.use_kernel(x, backend) and _kernel_supports(x, weight):
+        return _kernel_forward(x, weight, bias, seq_idx, silu)
+    return reference_forward(x, weight, bias, seq_idx, silu)
+
+
+@_forward_op.register_fake
+def _forward_fake(x, weight, bias, seq_idx, silu, backend):
+    return _channel_last_empty(x, x.dtype)
+
+
+@torch.library.custom_op("compilepack::causal_conv1d_varlen_backward", mutates_args=())
+def _backward_op(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    seq_idx: torch.Tensor,
+    silu: bool,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns ``(dx, dweight, dbias)``; dbias is zeros when bias is None (custom ops cannot return None)."""
+    if backends.use_kernel(x, backend) and _kernel_supports(x, weight):
+        return _kernel_backward(grad_out, x, weight, bias, seq_idx, silu)
+    return reference_backward(grad_out, x, weight, bias, seq_idx, silu)
+
+
+@_backward_op.register_fake
+def _backward_fake(grad_out, x, weight, bias, seq_idx, silu, backend):
+    dbias = (bias if bias is not None else weight).new_empty((weight.shape[0],))
+    return _channel_last_empty(x, x.dtype), weight.new_empty(weight.shape), dbias
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, seq_idx, silu, backend = inputs
+    ctx.save_for_backward(x, weight, bias, seq_idx)
+    ctx.silu, ctx.backend = silu, backend
+
+
+def _backward(ctx, grad_out):
+    x, weight, bias, seq_idx = ctx.saved_tensors
+    dx, dweight, dbias = _backward_op(grad_out, x, weight, bias, seq_idx, ctx.silu, ctx.backend)
+    return dx, dweight, (dbias if bias is not None else None), None, None, None
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _channel_last_empty(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, D, T]`` as the transpose of a fresh contiguous ``[B, T, D]``: the op's one output layout."""
+    batch, dim, seqlen = like.shape
+    return like.new_empty((batch, seqlen, dim), dtype=dtype).transpose(1, 2)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# reference (pure torch, exact on packed rows)
+
+
+def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
+    # accumulate in float32 at least, as the CUDA kernel does; float64 stays float64 (tests, gradcheck)
+    return torch.promote_types(weight.dtype, torch.float32)
+
+
+def reference_forward(x, weight, bias, seq_idx, silu: bool) -> torch.Tensor:
+    """The op's forward in pure torch; returns ``[B, D, T]`` channel-last in x's dtype."""
+    dtype = _compute_dtype(weight)
+    x_BTD = x.transpose(1, 2).to(dtype).contiguous()
+    w_WD = weight.t().to(dtype).contiguous()  # contiguous rows: a strided weight column costs 2x per tap
+    bias_D = None if bias is None else bias.to(dtype)
+    seq_idx = seq_idx.to(x.device)
+    out_BTD = _conv_BTD(x_BTD, w_WD, bias_D, seq_idx)
+    if silu:
+        out_BTD = F.silu(out_BTD, inplace=True)
+    return out_BTD.to(x.dtype).transpose(1, 2)
+
+
+def reference_backward(grad_out, x, weight, bias, seq_idx, silu: bool):
+    """``(dx, dweight, dbias)`` with explicit formulas; dx is channel-last like the forward output."""
+    dtype = _compute_dtype(weight)
+    x_BTD = x.transpose(1, 2).to(dtype).contiguous()
+    w_WD = weight.t().to(dtype).contiguous()
+    seq_idx = seq_idx.to(x.device)
+    grad_BTD = grad_out.transpose(1, 2).to(dtype).contiguous()
+    if silu:
+        bias_D = None if bias is None else bias.to(dtype)
+        # the conv output (silu's input) is recomputed rather than saved, as the CUDA kernel does
+        grad_BTD = torch.ops.aten.silu_backward(grad_BTD, _conv_BTD(x_BTD, w_WD, bias_D, seq_idx))
+    dx_BTD = _conv_transpose_BTD(grad_BTD, w_WD, seq_idx)
+    dweight = _weight_grad_WD(grad_BTD, x_BTD, seq_idx, w_WD.shape[0]).t().to(weight.dtype).contiguous()
+    if bias is not None:
+        dbias = grad_BTD.sum((0, 1)).to(bias.dtype)
+    else:
+        dbias = weight.new_zeros(weight.shape[0])
+    return dx_BTD.to(x.dtype).transpose(1, 2), dweight, dbias
+
+
+def _conv_BTD(x_BTD, w_WD, bias_D, seq_idx):
+    """Pre-activation output ``[B, T, D]``: plain causal conv, then the rows after each start recomputed."""
+    width, seqlen = w_WD.shape[0], x_BTD.shape[1]
+    # tap s (shift) multiplies x[t - s] by w_WD[W-1-s]; s = 0 never leaves the token's document
+    if bias_D is None:
+        out_BTD = x_BTD * w_WD[width - 1]
+    else:
+        out_BTD = torch.addcmul(bias_D, x_BTD, w_WD[width - 1])
+    for shift in range(1, min(width, seqlen)):
+        out_BTD[:, shift:].addcmul_(x_BTD[:, :-shift], w_WD[width - 1 - shift])
+    rows_b, rows_t = _rows_after_start(seq_idx, width)
+    taps_nWD = _gather_taps(x_BTD, seq_idx, rows_b, rows_t, -torch.arange(width, device=x_BTD.device), keep_same=True)
+    fixed_nD = (taps_nWD * w_WD.flip(0)).sum(1)
+    if bias_D is not None:
+        fixed_nD += bias_D
+    out_BTD[rows_b, rows_t] = fixed_nD
+    return out_BTD
+
+
+def _conv_transpose_BTD(grad_BTD, w_WD, seq_idx):
+    """dx ``[B, T, D]``: plain transposed conv, then the rows before each document end recomputed."""
+    width, seqlen = w_WD.shape[0], grad_BTD.shape[1]
+    dx_BTD = grad_BTD * w_WD[width - 1]
+    for shift in range(1, min(width, seqlen)):
+        dx_BTD[:, :-shift].addcmul_(grad_BTD[:, shift:], w_WD[width - 1 - shift])
+    rows_b, rows_t = _rows_before_end(seq_idx, width)
+    taps_nWD = _gather_taps(grad_BTD, seq_idx, rows_b, rows_t, torch.arange(width, device=grad_BTD.device), True)
+    dx_BTD[rows_b, rows_t] = (taps_nWD * w_WD.flip(0)).sum(1)
+    return dx_BTD
+
+
+def _weight_grad_WD(grad_BTD, x_BTD, seq_idx, width: int):
+    """dweight as ``[W, D]``: W plain dot products over tokens, minus the few pairs that cross a start."""
+    seqlen = x_BTD.shape[1]
+    per_shift = []
+    for shift in range(width):
+        if shift < seqlen:
+            per_shift.append((grad_BTD[:, shift:] * x_BTD[:, : seqlen - shift]).sum((0, 1)))
+        else:
+            per_shift.append(x_BTD.new_zeros(x_BTD.shape[2]))
+    rows_b, rows_t = _rows_after_start(seq_idx, width)
+    offsets_W = -torch.arange(width, device=x_BTD.device)
+    leaked_nWD = _gather_taps(x_BTD, seq_idx, rows_b, rows_t, offsets_W, keep_same=False)
+    leaked_WD = (grad_BTD[rows_b, rows_t][:, None] * leaked_nWD).sum(0)
+    return (torch.stack(per_shift) - leaked_WD).flip(0)
+
+
+def _rows_after_start(seq_idx, width):
+    """(batch, token) indices of the tokens fewer than W-1 positions after their document start."""
+    reach, seqlen = width - 1, seq_idx.shape[1]
+    inner = max(seqlen - reach, 0)
+    near_BT = torch.zeros_like(seq_idx, dtype=torch.bool)
+    near_BT[:, :reach] = True
+    near_BT[:, seqlen - inner :] |= seq_idx[:, seqlen - inner :] != seq_idx[:, :inner]
+    return near_BT.nonzero(as_tuple=True)
+
+
+def _rows_before_end(seq_idx, width):
+    """(batch, token) indices of the tokens fewer than W-1 positions before their document end."""
+    reach, seqlen = width - 1, seq_idx.shape[1]
+    inner = max(seqlen - reach, 0)
+    near_BT = torch.zeros_like(seq_idx, dtype=torch.bool)
+    near_BT[:, inner:] = True
+    near_BT[:, :inner] |= seq_idx[:, :inner] != seq_idx[:, seqlen - inner :]
+    return near_BT.nonzero(as_tuple=True)
+
+
+def _gather_taps(values_BTD, seq_idx, rows_b, rows_t, offsets_W, keep_same: bool):
+    """``[n, W, D]`` values at ``rows_t + offsets`` of each row, zeroed where that token is outside the row or
+    (``keep_same``) in another document, or (not ``keep_same``) in the same document."""
+    seqlen = values_BTD.shape[1]
+    src_nW = rows_t[:, None] + offsets_W
+    inside_nW = (src_nW >= 0) & (src_nW < seqlen)
+    src_nW = src_nW.clamp(0, seqlen - 1)
+    same_nW = seq_idx[rows_b[:, None], src_nW] == seq_idx[rows_b, rows_t][:, None]
+    keep_nW = inside_nW & (same_nW if keep_same else ~same_nW)
+    return values_BTD[rows_b[:, None], src_nW] * keep_nW[..., None].to(values_BTD.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# CUDA kernel path (causal-conv1d)
+
+
+def _kernel_supports(x, weight) -> bool:
+    """Static shape/dtype facts the kernel needs; anything else runs the reference."""
+    dim, width = weight.shape
+    return (
+        x.dtype in _KERNEL_DTYPES and weight.dtype in _KERNEL_DTYPES and dim % 8 == 0 and 2 <= width <= 4
+    )
+
+
+def _kernel_layout(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a dense channel-last ``[B, D, T]`` (the transpose of a contiguous ``[B, T, D]``).
+
+    That layout satisfies every stride rule of the channel-last kernel (``stride(1) == 1``, ``stride(0)`` and
+    ``stride(2)`` multiples of 8 since D is) and makes its ``empty_like`` outputs match the op's fake.
+    """
+    batch, dim, seqlen = t.shape
+    if t.stride() == (seqlen * dim, 1, dim) and t.data_ptr() % 16 == 0:
+        return t
+    dense = torch.empty((batch, seqlen, dim), dtype=t.dtype, device=t.device)
+    return dense.copy_(t.transpose(1, 2)).transpose(1, 2)
+
+
+def _kernel_seq_idx(seq_idx, x):
+    return seq_idx.to(device=x.device, dtype=torch.int32).contiguous()
+
+
+def _kernel_bias(bias, weight):
+    # the kernel wants bias in weight's dtype with unit stride
+    return None if bias is None else bias.to(weight.dtype).contiguous()
+
+
+def _kernel_forward(x, weight, bias, seq_idx, silu: bool) -> torch.Tensor:
+    library = backends.load("causal_conv1d")
+    return library.causal_conv1d_fn(
+        _kernel_layout(x),
+        weight,
+        _kernel_bias(bias, weight),
+        seq_idx=_kernel_seq_idx(seq_idx, x),
+        activation="silu" if silu else None,
+    )
+
+
+def _kernel_backward(grad_out, x, weight, bias, seq_idx, silu: bool):
+    library = backends.load("causal_conv1d.cpp_functions")
+    kernel_bias = _kernel_bias(bias, weight)
+    dx, dweight, dbias, _ = library.causal_conv1d_bwd_function(
+        _kernel_layout(x),
+        weight,
+        kernel_bias,
+        _kernel_layout(grad_out.to(x.dtype)),
+        _kernel_seq_idx(seq_idx, x),
+        None,  # initial_states: not allowed together with seq_idx
+        None,  # dfinal_states
+        None,  # dx: let the library allocate it (empty_like(x): channel-last)
+        False,  # return_dinitial_states
+        silu,
+    )
+    dbias = weight.new_zeros(weight.shape[0]) if bias is None else dbias.to(bias.dtype)
+    return dx, dweight.contiguous(), dbias
