@@ -1,3 +1,47 @@
-"""compilepack: padding-free (packed) training for Hugging Face transformers under torch.compile."""
+"""compilepack: padding-free (packed) training for Hugging Face transformers under torch.compile.
+
+    model = compilepack.patch(model)                       # before torch.compile
+    step = torch.compile(model, fullgraph=True, dynamic=True)
+    loss = step(**collate(features)).loss                  # HF DataCollatorWithFlattening or PackedCollator
+"""
+
+from . import ops
+from .backends import Backends
+from .boundaries import Boundaries
+from .collator import PackedCollator
+from .errors import (
+    BoundaryError,
+    CompilepackError,
+    IncompatibleTransformersError,
+    PatchConflictError,
+    UnsupportedModelError,
+)
+from .explain import CompileReport, ExplainReport, count_compiles, explain
+from .patching import families, is_patched, patch, patched, supported_model_types, unpatch
+from .validate import checked, validate
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "Backends",
+    "Boundaries",
+    "BoundaryError",
+    "CompilepackError",
+    "IncompatibleTransformersError",
+    "PatchConflictError",
+    "UnsupportedModelError",
+    "CompileReport",
+    "ExplainReport",
+    "PackedCollator",
+    "checked",
+    "count_compiles",
+    "explain",
+    "families",
+    "is_patched",
+    "ops",
+    "patch",
+    "patched",
+    "supported_model_types",
+    "unpatch",
+    "validate",
+]

@@ -12,7 +12,9 @@ def seq_idx_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tenso
     fixed-shape collator's unused slots) take no tokens, so they never appear in the result.
     """
     positions = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
-    return torch.searchsorted(cu_seqlens[1:].contiguous(), positions, right=True).to(torch.int32)
+    # Search the whole tensor (size N+1 >= 2), not cu_seqlens[1:]: a size-1 slice for a one-document batch
+    # would be specialised by the compiler and cost a recompile.
+    return (torch.searchsorted(cu_seqlens, positions, right=True) - 1).to(torch.int32)
 
 
 def doc_starts_from_seq_idx(seq_idx: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,32 @@
+"""Patching machinery: families, the registry, and the per-instance rebinding of transformers forwards."""
+
+from .api import is_patched, patch, patch_state, patched, unpatch
+from .family import Family, families, family_named, family_of, register, supported_model_types
+from .replacements import (
+    ATTENTION,
+    CAUSAL_CONV1D,
+    GATED_DELTA_RULE,
+    MAMBA2_CHUNK_SCAN,
+    MAMBA2_SPLIT_CONV1D_SCAN,
+    Replacement,
+)
+
+__all__ = [
+    "ATTENTION",
+    "CAUSAL_CONV1D",
+    "GATED_DELTA_RULE",
+    "MAMBA2_CHUNK_SCAN",
+    "MAMBA2_SPLIT_CONV1D_SCAN",
+    "Family",
+    "Replacement",
+    "families",
+    "family_named",
+    "family_of",
+    "is_patched",
+    "patch",
+    "patch_state",
+    "patched",
+    "register",
+    "supported_model_types",
+    "unpatch",
+]

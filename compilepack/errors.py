@@ -1,0 +1,23 @@
+"""Errors compilepack raises. Each message names what was wrong, what was expected, and how to fix it."""
+
+from __future__ import annotations
+
+
+class CompilepackError(Exception):
+    """Base class of compilepack's own errors."""
+
+
+class BoundaryError(CompilepackError, ValueError):
+    """A packed batch whose boundaries are missing, malformed or inconsistent with its tokens."""
+
+
+class UnsupportedModelError(CompilepackError, ValueError):
+    """``patch()`` was given a model family compilepack has no patch for."""
+
+
+class IncompatibleTransformersError(CompilepackError, RuntimeError):
+    """The installed transformers does not have the functions/classes a patch replaces, as it expects them."""
+
+
+class PatchConflictError(CompilepackError, RuntimeError):
+    """The model is already compiled, or a module's forward was already replaced by another tool."""

@@ -1,0 +1,83 @@
+"""Once per forward, at the top of the patched decoder: turn the collator's boundary kwargs into device tensors.
+
+The layers below receive the same keys the HF collator emits (``cu_seq_lens_q``, ``max_length_q``,
+``seq_idx``...), already on the model's device, so no layer moves or derives anything itself. This code is
+traced by dynamo: it branches only on which keys are present (static), never on tensor values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..boundaries import BOUNDARY_KEYS
+from ..errors import BoundaryError
+from ..ops._common import seq_idx_from_cu_seqlens
+
+
+def packed_decoder_forward(stock_forward: Callable, parameter_names: tuple[str, ...]) -> Callable:
+    """A decoder ``forward`` that prepares packed kwargs, then runs the (rebound) stock forward."""
+
+    def forward(self, *args, **kwargs):
+        kwargs.update(zip(parameter_names, args))  # transformers passes keywords; positional ones are named here
+        if any(kwargs.get(key) is not None for key in BOUNDARY_KEYS):
+            kwargs = prepare_packed_kwargs(kwargs)
+        return stock_forward(self, **kwargs)
+
+    forward.__compilepack__ = True
+    return forward
+
+
+def prepare_packed_kwargs(kwargs: dict) -> dict:
+    """Boundary kwargs on the tokens' device, with ``seq_idx`` and missing ``position_ids`` derived.
+
+    ``cu_seq_lens_q`` is the single source of truth: ``seq_idx`` is recomputed from it (one searchsorted)
+    so the attention and the mixers can never disagree about where a document starts.
+    """
+    _refuse_conflicting_inputs(kwargs)
+    tokens = kwargs.get("input_ids")
+    if tokens is None:
+        tokens = kwargs["inputs_embeds"]
+    rows, row_length = tokens.shape[0], tokens.shape[1]
+    cu_seqlens = kwargs["cu_seq_lens_q"].to(device=tokens.device, dtype=torch.int32, non_blocking=True)
+    seq_idx_flat = seq_idx_from_cu_seqlens(cu_seqlens, rows * row_length)
+    max_seqlen = kwargs.get("max_length_q")
+    if max_seqlen is None:
+        max_seqlen = row_length  # documents never cross rows, so the row length bounds every document
+    kwargs.update(
+        cu_seq_lens_q=cu_seqlens,
+        cu_seq_lens_k=cu_seqlens,
+        max_length_q=max_seqlen,
+        max_length_k=max_seqlen,
+        seq_idx=seq_idx_flat.view(rows, row_length),
+        # a packed row has no meaningful cache: several documents would write one state
+        use_cache=False,
+    )
+    if kwargs.get("position_ids") is None:
+        kwargs["position_ids"] = _positions_in_documents(cu_seqlens, seq_idx_flat).view(rows, row_length)
+    return kwargs
+
+
+def _positions_in_documents(cu_seqlens: torch.Tensor, seq_idx: torch.Tensor) -> torch.Tensor:
+    positions = torch.arange(seq_idx.numel(), device=seq_idx.device)
+    return positions - cu_seqlens.long()[seq_idx.long()]
+
+
+def _refuse_conflicting_inputs(kwargs: dict) -> None:
+    if kwargs.get("cu_seq_lens_q") is None:
+        raise BoundaryError(
+            "the batch has boundary kwargs but no 'cu_seq_lens_q' (seq_idx alone cannot be turned into boundaries "
+            "inside a compiled graph). Collate with DataCollatorWithFlattening(return_flash_attn_kwargs=True, "
+            "return_seq_idx=True) or compilepack.PackedCollator."
+        )
+    if kwargs.get("attention_mask") is not None:
+        raise BoundaryError(
+            "'attention_mask' was passed together with boundary kwargs: a padding mask conflicts with the packed "
+            "layout. Drop 'attention_mask' from packed batches."
+        )
+    if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+        raise BoundaryError(
+            "a cache was passed with a packed batch: packed rows hold several documents and cannot continue a "
+            "cache. Run packed batches without 'cache'/'past_key_values' (generation works on unpacked inputs)."
+        )

@@ -1,0 +1,236 @@
+"""What compilepack puts in place of transformers' kernel-calling module globals.
+
+Each :class:`Replacement` names one global that stock forwards call (``causal_conv1d_fn``, ...), the parameters
+the stock function must have (checked at ``patch()`` time against the installed transformers), and a factory
+that builds compilepack's version from the stock object and the chosen backends.
+
+Every replacement keeps stock behaviour for batches without boundaries (padded batches, generation with a
+cache) and switches to compilepack's boundary-aware op when the batch carries them. The switch tests only
+whether a keyword argument is present: a static fact, so it adds no guard that changes between batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+
+import torch
+
+from ..backends import Backends
+from ..errors import BoundaryError
+
+
+@dataclasses.dataclass(frozen=True)
+class Replacement:
+    """A transformers module global that compilepack swaps inside patched forwards."""
+
+    global_name: str
+    make: Callable[[object, Backends], object]
+    expected_params: tuple[str, ...] = ()  # the stock function must accept these (empty: not a function)
+
+
+# ------------------------------------------------------------------------------------------------ attention
+
+
+class PackedAttentionFunctions:
+    """Stands in for ``ALL_ATTENTION_FUNCTIONS`` inside patched attention forwards.
+
+    ``get_interface`` resolves the configured implementation exactly as stock does, then wraps it: packed
+    batches go to ``compilepack::varlen_attention``, everything else to the stock function.
+    """
+
+    def __init__(self, stock, backend: str):
+        self._stock = stock
+        self._backend = backend
+
+    def get_interface(self, attn_implementation, default):
+        stock_attention = self._stock.get_interface(attn_implementation, default)
+        return functools.partial(packed_attention, stock_attention=stock_attention, backend=self._backend)
+
+    def __getitem__(self, attn_implementation):
+        return self.get_interface(attn_implementation, None)
+
+
+def packed_attention(module, query, key, value, attention_mask, *, stock_attention, backend, **kwargs):
+    """transformers attention-interface function: ``[B, H, T, D]`` inputs, returns ``([B, T, H, Dv], None)``."""
+    from ..ops.attention import varlen_attention
+
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    if cu_seqlens is None and (attention_mask is not None or query.shape[2] != key.shape[2]):
+        # padded batch or cached decoding: not packed, stock semantics
+        return stock_attention(module, query, key, value, attention_mask, **kwargs)
+    rows, heads, row_length, _ = query.shape
+    max_seqlen = kwargs.get("max_length_q")
+    if cu_seqlens is None:
+        # an unpadded batch with no boundaries: every row is one document
+        cu_seqlens = torch.arange(rows + 1, device=query.device, dtype=torch.int32) * row_length
+    if max_seqlen is None:
+        max_seqlen = row_length
+    _refuse_unsupported_attention(module, kwargs)
+    out = varlen_attention(
+        _tokens_first(query),
+        _tokens_first(key),
+        _tokens_first(value),
+        cu_seqlens,
+        max_seqlen,
+        causal=getattr(module, "is_causal", True),
+        scale=kwargs.get("scaling"),
+        window=kwargs.get("sliding_window"),
+        backend=backend,
+    )
+    return out.view(rows, row_length, heads, -1), None
+
+
+def _tokens_first(x_BHTD: torch.Tensor) -> torch.Tensor:
+    rows, heads, length, dim = x_BHTD.shape
+    return x_BHTD.transpose(1, 2).reshape(rows * length, heads, dim)
+
+
+def _refuse_unsupported_attention(module, kwargs) -> None:
+    if kwargs.get("dropout", 0.0):
+        raise NotImplementedError(
+            f"{type(module).__name__}: attention dropout ({kwargs['dropout']}) is not supported on packed batches; "
+            "set config.attention_dropout = 0.0."
+        )
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError(f"{type(module).__name__}: attention logit softcapping is not supported yet.")
+
+
+ATTENTION = Replacement("ALL_ATTENTION_FUNCTIONS", lambda stock, b: PackedAttentionFunctions(stock, b.attention))
+
+
+# ------------------------------------------------------------------------------------------------ masks
+
+
+def _make_mask_creator(stock: Callable, backends: Backends) -> Callable:
+    def create_mask(config, inputs_embeds, attention_mask, cache=None, position_ids=None, **kwargs):
+        cache = cache if cache is not None else kwargs.pop("past_key_values", None)
+        if attention_mask is None and cache is None:
+            # Stock would read documents off position_ids here (a data-dependent check and a dense T x T
+            # mask). Packed batches carry boundaries and plain rows are causal: no mask is needed.
+            return None
+        return stock(config, inputs_embeds, attention_mask, cache, position_ids, **kwargs)
+
+    return create_mask
+
+
+_MASK_PARAMS = ("config", "inputs_embeds", "attention_mask", "cache", "position_ids")
+CAUSAL_MASK = Replacement("create_causal_mask", _make_mask_creator, _MASK_PARAMS)
+SLIDING_WINDOW_MASK = Replacement("create_sliding_window_causal_mask", _make_mask_creator, _MASK_PARAMS)
+MASK_CREATORS = (CAUSAL_MASK, SLIDING_WINDOW_MASK)
+
+
+# ------------------------------------------------------------------------------------------------ causal conv1d
+
+
+def _make_causal_conv1d(stock: Callable, backends: Backends) -> Callable:
+    def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, seq_idx=None, **kwargs):
+        if seq_idx is None:
+            return stock(hidden_states, weight, bias, activation=activation)
+        from ..ops.causal_conv1d import causal_conv1d_varlen
+
+        return causal_conv1d_varlen(hidden_states, weight, bias, seq_idx, activation, backend=backends.conv)
+
+    return causal_conv1d_fn
+
+
+CAUSAL_CONV1D = Replacement(
+    "causal_conv1d_fn", _make_causal_conv1d, ("hidden_states", "weight", "bias", "activation")
+)
+
+
+# ------------------------------------------------------------------------------------------------ gated delta rule
+
+
+def _make_gated_delta_rule(stock: Callable, backends: Backends) -> Callable:
+    def chunk_gated_delta_rule(
+        query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+        use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs,
+    ):
+        if cu_seqlens is None:
+            return stock(
+                query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
+                output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            )
+        _refuse_state(initial_state is not None or output_final_state, "gated delta rule")
+        from ..ops.gated_delta_rule import gated_delta_rule_varlen
+
+        out = gated_delta_rule_varlen(
+            query, key, value, g, beta, cu_seqlens, use_qk_l2norm=use_qk_l2norm_in_kernel,
+            backend=backends.gated_delta,
+        )
+        return out, None
+
+    return chunk_gated_delta_rule
+
+
+GATED_DELTA_RULE = Replacement(
+    "torch_chunk_gated_delta_rule",
+    _make_gated_delta_rule,
+    ("query", "key", "value", "g", "beta", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel"),
+)
+
+
+# ------------------------------------------------------------------------------------------------ Mamba2 scan
+
+
+def _make_mamba2_chunk_scan(stock: Callable, backends: Backends) -> Callable:
+    def mamba2_chunk_scan(
+        hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None, dt_softplus=False,
+        dt_limit=(0.0, math.inf), return_final_states=False, seq_idx=None, z=None, **kwargs,
+    ):
+        if seq_idx is None:
+            return stock(
+                hidden_states, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, initial_states=initial_states,
+                dt_softplus=dt_softplus, dt_limit=dt_limit, return_final_states=return_final_states, z=z,
+            )
+        _refuse_state(initial_states is not None or return_final_states, "Mamba2 scan")
+        if z is not None:
+            raise NotImplementedError("mamba2_chunk_scan with a gate z is not supported on packed batches yet.")
+        from ..ops.mamba2 import mamba2_chunk_scan_varlen
+
+        return mamba2_chunk_scan_varlen(
+            hidden_states, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
+            dt_limit=tuple(dt_limit), seq_idx=seq_idx, backend=backends.ssd,
+        )
+
+    return mamba2_chunk_scan
+
+
+MAMBA2_CHUNK_SCAN = Replacement(
+    "mamba2_chunk_scan",
+    _make_mamba2_chunk_scan,
+    ("hidden_states", "dt", "A", "B", "C", "chunk_size", "D", "dt_bias", "initial_states", "dt_softplus", "dt_limit"),
+)
+
+
+def _make_mamba2_split_conv1d_scan(stock: Callable, backends: Backends) -> Callable:
+    def mamba2_split_conv1d_scan_combined(zxbcdt, *args, seq_idx=None, **kwargs):
+        if seq_idx is None:
+            return stock(zxbcdt, *args, **kwargs)
+        if zxbcdt.device.type != "cuda" or backends.ssd != "mamba_ssm" or backends.conv != "causal_conv1d":
+            # No fused kernel here: returning None sends the stock forward down its unfused path, whose conv
+            # and scan are compilepack's boundary-aware ops. Decided from static facts only.
+            return None
+        from ..ops.mamba2 import mamba2_split_conv1d_scan_varlen
+
+        return mamba2_split_conv1d_scan_varlen(zxbcdt, *args, seq_idx=seq_idx, backend=backends.ssd, **kwargs)
+
+    return mamba2_split_conv1d_scan_combined
+
+
+MAMBA2_SPLIT_CONV1D_SCAN = Replacement(
+    "mamba2_split_conv1d_scan_combined",
+    _make_mamba2_split_conv1d_scan,
+    ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D", "chunk_size"),
+)
+
+
+def _refuse_state(carries_state: bool, what: str) -> None:
+    if carries_state:
+        raise BoundaryError(
+            f"{what}: a packed batch cannot start from or return a recurrent state (a cache); packed forwards "
+            "run with use_cache=False."
+        )

@@ -1,0 +1,130 @@
+"""Every registered family, with every tiny variant: packed == alone, one graph, one compile.
+
+Parametrised over the registry, so a new file in patches/ is tested here without editing this file.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import compilepack
+from compilepack.patching import families
+from tests.models import (
+    build_pair,
+    hf_batch,
+    logits_alone,
+    max_diff_packed_vs_alone,
+    random_docs,
+    relative_grad_error,
+    summed_token_loss,
+    varied_length_batches,
+)
+
+# documents longer than the mixers' chunk (64), 1-token documents, and ordinary ones
+LENGTHS = [70, 1, 23, 5, 1, 40]
+ATTENTION_ONLY_TOLERANCE = 1e-5
+HYBRID_TOLERANCE = 1e-4
+
+CASES = [
+    pytest.param(family, variant, id=f"{family.name}-{variant}")
+    for family in families()
+    for variant in family.tiny_configs
+]
+
+
+def _tolerance(family) -> float:
+    mixes_with_more_than_attention = any(
+        r.global_name != "ALL_ATTENTION_FUNCTIONS" for needed in family.layers.values() for r in needed
+    )
+    return HYBRID_TOLERANCE if mixes_with_more_than_attention else ATTENTION_ONLY_TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def pairs():
+    cache = {}
+
+    def get(family, variant):
+        key = (family.name, variant)
+        if key not in cache:
+            cache[key] = build_pair(family, variant)
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("use_cache", [False, True])
+@pytest.mark.parametrize("family, variant", CASES)
+def test_packed_logits_equal_each_document_alone(pairs, family, variant, use_cache):
+    stock, patched = pairs(family, variant)
+    docs = random_docs(stock.config.vocab_size, LENGTHS)
+    batch = hf_batch(docs)
+    with torch.no_grad():
+        packed = patched(**batch, use_cache=use_cache).logits
+    assert max_diff_packed_vs_alone(packed, logits_alone(stock, docs), batch["cu_seq_lens_q"]) <= _tolerance(family)
+
+
+@pytest.mark.parametrize("family, variant", CASES)
+def test_packed_gradients_equal_sum_over_documents(pairs, family, variant):
+    stock, patched = pairs(family, variant)
+    docs = random_docs(stock.config.vocab_size, LENGTHS, seed=1)
+    batch = hf_batch(docs)
+    patched.zero_grad()
+    summed_token_loss(patched(**batch).logits, batch["labels"]).backward()
+    packed_grads = {n: p.grad.clone() for n, p in patched.named_parameters() if p.grad is not None}
+    stock.zero_grad()
+    for doc in docs:
+        alone = hf_batch([doc])
+        summed_token_loss(stock(input_ids=alone["input_ids"], use_cache=False).logits, alone["labels"]).backward()
+    alone_grads = {n: p.grad.clone() for n, p in stock.named_parameters() if p.grad is not None}
+    stock.zero_grad()
+    patched.zero_grad()
+    assert packed_grads.keys() == alone_grads.keys()
+    assert relative_grad_error(packed_grads, alone_grads) <= _tolerance(family)
+
+
+@pytest.mark.parametrize("family, variant", CASES)
+def test_compiled_packed_logits_equal_alone(pairs, family, variant):
+    stock, patched = pairs(family, variant)
+    docs = random_docs(stock.config.vocab_size, LENGTHS, seed=2)
+    batch = hf_batch(docs)
+    compiled = torch.compile(patched, backend="aot_eager", fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        packed = compiled(**batch).logits
+    assert max_diff_packed_vs_alone(packed, logits_alone(stock, docs), batch["cu_seq_lens_q"]) <= _tolerance(family)
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "forward+backward"])
+@pytest.mark.parametrize("family, variant", CASES)
+def test_one_graph_no_breaks(pairs, family, variant, backward):
+    _, patched = pairs(family, variant)
+    patched.train(backward)
+    try:
+        batch = hf_batch(random_docs(patched.config.vocab_size, LENGTHS, seed=3))
+        report = compilepack.explain(patched, batch, backward=backward)
+    finally:
+        patched.eval()
+    assert (report.graphs, report.graph_breaks) == (1, 0), str(report)
+
+
+@pytest.mark.parametrize("family, variant", CASES)
+def test_compiles_once_over_varied_hf_batches(pairs, family, variant):
+    _, patched = pairs(family, variant)
+    batches = varied_length_batches(patched.config.vocab_size, count=10)
+    assert len({b["input_ids"].shape[1] for b in batches}) > 5
+    assert len({b["cu_seq_lens_q"].numel() for b in batches}) > 3
+    report = compilepack.count_compiles(patched, batches, dynamic=True, fullgraph=True)
+    assert report.compiles == 1, str(report)
+
+
+@pytest.mark.parametrize("family, variant", CASES)
+def test_fixed_shape_collator_compiles_once_without_dynamic(pairs, family, variant):
+    _, patched = pairs(family, variant)
+    collate = compilepack.PackedCollator(128, fixed_shape=True, rows=2, max_docs=16)
+    batches = []
+    for i, batch in enumerate(varied_length_batches(patched.config.vocab_size, count=6, max_len=60, seed=10)):
+        docs = [d for d in torch.split(batch["input_ids"][0], torch.diff(batch["cu_seq_lens_q"]).tolist())]
+        batches.append(collate([{"input_ids": d} for d in docs]))
+    assert len({tuple(b["input_ids"].shape) for b in batches}) == 1
+    report = compilepack.count_compiles(patched, batches, dynamic=None, fullgraph=True)
+    assert report.compiles == 1, str(report)
