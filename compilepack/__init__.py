@@ -18,7 +18,7 @@ from .errors import (
 )
 from .explain import CompileReport, ExplainReport, count_compiles, explain
 from .patching import families, is_patched, patch, patched, supported_model_types, unpatch
-from .validate import checked, validate
+from .validation import checked, validate
 
 __version__ = "0.1.0"
 

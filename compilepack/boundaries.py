@@ -85,7 +85,7 @@ class Boundaries(NamedTuple):
     @classmethod
     def from_batch(cls, batch: Mapping) -> Boundaries:
         """Boundaries carried by a collated batch (the HF collator's keys). Validates the batch first."""
-        from .validate import validate
+        from .validation import validate
 
         boundaries = validate(batch)
         if boundaries is None:

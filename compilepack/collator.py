@@ -8,7 +8,7 @@ import torch
 
 from .boundaries import Boundaries
 from .errors import BoundaryError
-from .validate import IGNORE_INDEX, validate
+from .validation import IGNORE_INDEX, validate
 
 
 class PackedCollator:

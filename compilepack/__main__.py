@@ -1,0 +1,8 @@
+"""``python -m compilepack explain <family>`` and ``python -m compilepack bench``."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

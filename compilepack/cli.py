@@ -1,0 +1,116 @@
+"""``python -m compilepack``: ``explain <family>`` (stock next to patched) and ``bench`` (the main job)."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import sys
+
+import torch
+
+from . import patching
+from .explain import count_compiles, explain
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m compilepack", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    explain_parser = commands.add_parser("explain", help="graphs, breaks, recompiles and correctness: stock vs patched")
+    explain_parser.add_argument("family", help="model family, e.g. llama, qwen3_next, qwen3_5, bamba")
+    explain_parser.add_argument("--variant", default=None, help="tiny config variant (default: the family's first)")
+    explain_parser.add_argument("--batches", type=int, default=10, help="batches in the recompile count")
+    explain_parser.set_defaults(run=_explain_command)
+
+    bench_parser = commands.add_parser("bench", help="training-step benchmark: stock vs patched (see docs/benchmarks.md)")
+    from .bench.main import add_arguments
+
+    add_arguments(bench_parser)
+    bench_parser.set_defaults(run=_bench_command)
+
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+def _bench_command(args) -> int:
+    from .bench.main import run
+
+    return run(args)
+
+
+def _explain_command(args) -> int:
+    from transformers import AutoModelForCausalLM, DataCollatorWithFlattening
+
+    family = patching.family_named(args.family)
+    variant = args.variant or next(iter(family.tiny_configs))
+    torch.manual_seed(0)
+    stock = AutoModelForCausalLM.from_config(family.tiny_config(variant)).eval()
+    patched = patching.patch(copy.deepcopy(stock))
+    collate = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)
+    vocab = stock.config.vocab_size
+    docs = _documents(vocab, [70, 1, 23, 5, 40], seed=0)
+    batch = collate([{"input_ids": d} for d in docs])
+    stream = [collate([{"input_ids": d} for d in _documents(vocab, _lengths(i), seed=i)]) for i in range(args.batches)]
+
+    print(f"compilepack explain {family.name} (tiny '{variant}' config, {stock.config.num_hidden_layers} layers; "
+          f"HF DataCollatorWithFlattening batches; torch {torch.__version__})")
+    header = f"{'':8} {'forward':>16} {'forward+backward':>18} {'compiles/' + str(args.batches) + ' batches':>20} {'max |packed - alone| logit':>28}"
+    print(header)
+    reasons = {}
+    for name, model in (("stock", stock), ("patched", patched)):
+        row, reasons[name] = _explain_row(model, batch, stream, docs)
+        print(f"{name:8} {row[0]:>16} {row[1]:>18} {row[2]:>20} {row[3]:>28}")
+    for name, lines in reasons.items():
+        for line in lines:
+            print(f"  {name}: {line}")
+    return 0
+
+
+def _explain_row(model, batch, stream, docs):
+    notes = []
+    cells = []
+    for backward in (False, True):
+        model.train(backward)
+        cells.append(_attempt(lambda: _graphs(explain(model, batch, backward=backward), notes), notes))
+    model.eval()
+    cells.append(_attempt(lambda: str(count_compiles(model, stream, dynamic=True).compiles), notes))
+    cells.append(_attempt(lambda: f"{_max_logit_diff(model, batch, docs):.2e}", notes))
+    return cells, list(dict.fromkeys(notes))
+
+
+def _graphs(report, notes) -> str:
+    notes.extend(f"break: {reason}" for reason in report.break_reasons)
+    return f"{report.graphs} graph, {report.graph_breaks} brk"
+
+
+def _attempt(cell, notes) -> str:
+    try:
+        return cell()
+    except Exception as error:  # the stock model may refuse a packed batch: show it, do not stop
+        notes.append(f"{type(error).__name__}: {str(error).splitlines()[0][:160]}")
+        return type(error).__name__
+
+
+def _max_logit_diff(model, batch, docs) -> float:
+    with torch.no_grad():
+        packed = model(**batch).logits[0]
+        cu = batch["cu_seq_lens_q"].tolist()
+        return max(
+            (packed[s:e] - model(input_ids=torch.tensor([d]), use_cache=False).logits[0]).abs().max().item()
+            for s, e, d in zip(cu[:-1], cu[1:], docs)
+        )
+
+
+def _lengths(seed: int) -> list[int]:
+    generator = random.Random(1000 + seed)
+    return [generator.randint(1, 150) for _ in range(generator.randint(1, 6))]
+
+
+def _documents(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
+    generator = random.Random(seed)
+    return [[generator.randrange(1, vocab) for _ in range(n)] for n in lengths]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

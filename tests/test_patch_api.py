@@ -1,0 +1,170 @@
+"""patch / unpatch / patched: per instance, idempotent, reversible, refusing what it cannot do safely."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaForCausalLM
+
+import compilepack
+from compilepack import (
+    BoundaryError,
+    IncompatibleTransformersError,
+    PatchConflictError,
+    UnsupportedModelError,
+)
+from compilepack.backends import Backends
+from compilepack.patching import ATTENTION, Family, family_named
+from tests.models import hf_batch, logits_alone, max_diff_packed_vs_alone, random_docs
+
+LLAMA = family_named("llama")
+
+
+def _model(seed=0, config=None):
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config or LLAMA.tiny_config()).eval()
+
+
+def _instance_forwards(model):
+    return {name: m.__dict__.get("forward") for name, m in model.named_modules()}
+
+
+def _packed_error(model, use_cache=True):
+    docs = random_docs(model.config.vocab_size, [9, 4, 13])
+    batch = hf_batch(docs)
+    with torch.no_grad():
+        return max_diff_packed_vs_alone(model(**batch, use_cache=use_cache).logits, logits_alone(model, docs),
+                                        batch["cu_seq_lens_q"])
+
+
+def test_patch_changes_only_that_instance():
+    config = LLAMA.tiny_config()
+    first, second = _model(config=config), _model(config=config)
+    assert first.config is second.config  # transformers shares the config object between instances
+    compilepack.patch(first)
+    assert _packed_error(first) <= 1e-5
+    assert _packed_error(second) > 1e-2  # the other instance is stock: it leaks with use_cache=True
+    assert all(f is None for f in _instance_forwards(second).values())
+    assert type(first) is type(second) is LlamaForCausalLM
+
+
+def test_unpatch_restores_forwards_and_leaves_weights_bitwise_identical():
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    compilepack.patch(model)
+    assert compilepack.is_patched(model)
+    patched_modules = [n for n, f in _instance_forwards(model).items() if f is not None]
+    assert patched_modules == ["model"] + [f"model.layers.{i}.self_attn" for i in range(2)]
+    compilepack.unpatch(model)
+    assert not compilepack.is_patched(model)
+    assert all(f is None for f in _instance_forwards(model).values())
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_patch_twice_equals_patch_once():
+    model = compilepack.patch(_model())
+    forwards = _instance_forwards(model)
+    assert compilepack.patch(model) is model
+    assert _instance_forwards(model) == forwards
+
+
+def test_patched_context_restores_on_exit():
+    model = _model()
+    with compilepack.patched(model) as inside:
+        assert inside is model and compilepack.is_patched(model)
+    assert not compilepack.is_patched(model)
+    compilepack.patch(model)
+    with compilepack.patched(model):
+        pass
+    assert compilepack.is_patched(model)  # it was patched before the block: it stays patched
+
+
+def test_patch_survives_to_train_eval_and_deepcopy():
+    model = compilepack.patch(_model())
+    model.train().eval()
+    model.to(torch.float64)
+    assert _packed_error(model) <= 1e-9
+    clone = copy.deepcopy(model)
+    assert compilepack.is_patched(clone) and _packed_error(clone) <= 1e-9
+    compilepack.unpatch(clone)
+    assert compilepack.is_patched(model)
+
+
+def test_save_pretrained_of_a_patched_model_loads_into_a_stock_model(tmp_path):
+    model = compilepack.patch(_model())
+    model.save_pretrained(tmp_path)
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path)
+    original = model.state_dict()
+    assert all(torch.equal(original[k], v) for k, v in loaded.state_dict().items())
+    assert not compilepack.is_patched(loaded)
+
+
+def test_unsupported_model_names_the_supported_families():
+    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64)
+    with pytest.raises(UnsupportedModelError, match=r"model_type 'gpt2'.*Supported model types: .*llama"):
+        compilepack.patch(AutoModelForCausalLM.from_config(config))
+
+
+def test_compiled_model_is_refused():
+    compiled = torch.compile(_model())
+    with pytest.raises(PatchConflictError, match="call compilepack.patch\\(model\\) first"):
+        compilepack.patch(compiled)
+
+
+def test_forward_replaced_by_another_tool_is_refused():
+    model = _model()
+    attention = model.model.layers[0].self_attn
+    attention.forward = lambda *args, **kwargs: None
+    with pytest.raises(PatchConflictError, match="LlamaAttention already has an instance-level forward"):
+        compilepack.patch(model)
+    assert not compilepack.is_patched(model)
+
+
+def test_incompatible_transformers_is_named():
+    missing_class = Family("x", LLAMA.modeling, "LlamaModel", {"LlamaGone": (ATTENTION,)}, LLAMA.tiny_configs)
+    with pytest.raises(IncompatibleTransformersError, match=r"LlamaGone does not exist.*transformers>=5.24,<5.25"):
+        missing_class.forwards(Backends())
+    not_calling = Family("x", LLAMA.modeling, "LlamaModel", {"LlamaMLP": (ATTENTION,)}, LLAMA.tiny_configs)
+    with pytest.raises(IncompatibleTransformersError, match="LlamaMLP.forward no longer calls ALL_ATTENTION_FUNCTIONS"):
+        not_calling.forwards(Backends())
+
+
+def test_packed_batch_with_attention_mask_or_cache_is_refused_in_the_model():
+    model = compilepack.patch(_model())
+    batch = hf_batch([[1, 2, 3], [4, 5]])
+    with pytest.raises(BoundaryError, match="'attention_mask' was passed together with boundary kwargs"):
+        model(**batch, attention_mask=torch.ones(1, 5, dtype=torch.long))
+    from transformers import DynamicCache
+
+    with pytest.raises(BoundaryError, match="a cache was passed with a packed batch"):
+        model(**batch, cache=DynamicCache(config=model.config))
+
+
+def test_unpacked_batches_keep_stock_behaviour():
+    """Padded batches and generation are not packed: a patched model gives exactly the stock outputs."""
+    stock = _model()
+    model = compilepack.patch(copy.deepcopy(stock))
+    input_ids = torch.randint(1, 200, (2, 9))
+    attention_mask = torch.ones(2, 9, dtype=torch.long)
+    attention_mask[1, :3] = 0  # left padding
+    with torch.no_grad():
+        assert torch.allclose(model(input_ids, attention_mask=attention_mask).logits,
+                              stock(input_ids, attention_mask=attention_mask).logits, atol=1e-6)
+        assert torch.allclose(model(input_ids).logits, stock(input_ids).logits, atol=1e-6)
+    generated = model.generate(input_ids[:1], max_new_tokens=5, do_sample=False)
+    assert torch.equal(generated, stock.generate(input_ids[:1], max_new_tokens=5, do_sample=False))
+
+
+def test_boundaries_on_the_host_are_moved_once_and_positions_derived():
+    """cu_seq_lens may stay on the host; position_ids may be omitted: both come from cu_seq_lens_q."""
+    model = compilepack.patch(_model())
+    docs = random_docs(model.config.vocab_size, [5, 8, 2])
+    batch = hf_batch(docs)
+    without_positions = {k: v for k, v in batch.items() if k not in ("position_ids", "seq_idx")}
+    with torch.no_grad():
+        full = model(**batch).logits
+        derived = model(**without_positions).logits
+    assert torch.equal(full, derived)
