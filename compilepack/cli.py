@@ -40,12 +40,12 @@ def _bench_command(args) -> int:
 
 
 def _explain_command(args) -> int:
-    from transformers import AutoModelForCausalLM, DataCollatorWithFlattening
+    from transformers import DataCollatorWithFlattening
 
     family = patching.family_named(args.family)
     variant = args.variant or next(iter(family.tiny_configs))
     torch.manual_seed(0)
-    stock = AutoModelForCausalLM.from_config(family.tiny_config(variant)).eval()
+    stock = family.build_tiny(variant).eval()
     patched = patching.patch(copy.deepcopy(stock))
     collate = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)
     vocab = stock.config.vocab_size

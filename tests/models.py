@@ -7,7 +7,7 @@ import random
 
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM, DataCollatorWithFlattening
+from transformers import DataCollatorWithFlattening
 
 import compilepack
 from compilepack.patching import Family
@@ -18,8 +18,7 @@ HF_COLLATOR = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_s
 def build_pair(family: Family, variant: str | None = None, seed: int = 0):
     """(stock, patched) tiny fp32 models with identical weights, in eval mode."""
     torch.manual_seed(seed)
-    config = family.tiny_config(variant)
-    stock = AutoModelForCausalLM.from_config(config).eval()
+    stock = family.build_tiny(variant).eval()
     patched = compilepack.patch(copy.deepcopy(stock))
     return stock, patched
 

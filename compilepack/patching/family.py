@@ -16,6 +16,7 @@ import pkgutil
 import types
 from collections.abc import Callable, Mapping
 
+import torch
 import transformers
 
 from ..backends import Backends
@@ -40,6 +41,12 @@ class Family:
         tiny_configs: named factories of tiny configs with every layer type, for tests, ``explain`` and the
             benchmark; the first is the default.
         model_types: every ``config.model_type`` this family serves (defaults to ``(name,)``).
+        entries: classes above the decoder that receive the batch first (multimodal wrappers); their forward
+            only prepares the packed kwargs, so e.g. position_ids restart per document before the wrapper
+            would compute its own.
+        tiny_builders: variant -> transformers class name used to build it (default ``AutoModelForCausalLM``).
+        bench_config: a small but realistic config (a few million parameters) for ``python -m compilepack
+            bench``; defaults to the first tiny config.
         kernels: what each CUDA backend runs for this family, for the docs table.
         stock_packed: what stock transformers does with a packed batch of this family (measured), for the docs.
     """
@@ -50,6 +57,9 @@ class Family:
     layers: Mapping[str, tuple[R.Replacement, ...]]
     tiny_configs: Mapping[str, Callable[[], transformers.PretrainedConfig]]
     model_types: tuple[str, ...] = ()
+    entries: tuple[str, ...] = ()
+    tiny_builders: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    bench_config: Callable[[], transformers.PretrainedConfig] | None = None
     kernels: str = ""
     stock_packed: str = ""
 
@@ -59,6 +69,13 @@ class Family:
 
     def tiny_config(self, variant: str | None = None) -> transformers.PretrainedConfig:
         return self.tiny_configs[variant or next(iter(self.tiny_configs))]()
+
+    def build_tiny(self, variant: str | None = None) -> torch.nn.Module:
+        """A randomly initialised tiny model of this family (no download)."""
+        variant = variant or next(iter(self.tiny_configs))
+        builder = getattr(transformers, self.tiny_builders.get(variant, "AutoModelForCausalLM"))
+        config = self.tiny_configs[variant]()
+        return builder.from_config(config) if hasattr(builder, "from_config") else builder(config)
 
     def forwards(self, backends: Backends) -> dict[type, Callable]:
         """class -> the patched forward for it, checking the installed transformers first."""
@@ -142,6 +159,9 @@ def _patched_forwards(family: Family, backends: Backends) -> dict[type, Callable
     for forward in forwards.values():
         innermost(forward).__compilepack__ = True
     forwards[decoder_cls] = packed_decoder_forward(forwards[decoder_cls], _parameter_names(decoder_cls.forward))
+    for class_name in family.entries:
+        cls = _class(stock, class_name)
+        forwards[cls] = packed_decoder_forward(cls.forward, _parameter_names(cls.forward))
     return forwards
 
 

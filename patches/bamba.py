@@ -1,0 +1,47 @@
+"""Bamba: Mamba2 mixers (causal conv1d + SSD chunk scan; mamba-ssm's fused kernel when training on CUDA) and
+attention layers."""
+
+from transformers import BambaConfig
+
+from compilepack.patching import (
+    ATTENTION,
+    CAUSAL_CONV1D,
+    MAMBA2_CHUNK_SCAN,
+    MAMBA2_SPLIT_CONV1D_SCAN,
+    Family,
+    register,
+)
+
+register(
+    Family(
+        name="bamba",
+        modeling="transformers.models.bamba.modeling_bamba",
+        decoder="BambaModel",
+        layers={
+            "BambaAttention": (ATTENTION,),
+            "BambaMixer": (CAUSAL_CONV1D, MAMBA2_CHUNK_SCAN, MAMBA2_SPLIT_CONV1D_SCAN),
+        },
+        tiny_configs={
+            "hybrid": lambda: BambaConfig(
+                vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1],
+                mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4,
+                mamba_expand=2, mamba_chunk_size=64, max_position_embeddings=2048,
+            ),
+        },
+        bench_config=lambda: BambaConfig(
+            vocab_size=256, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+            num_attention_heads=8, num_key_value_heads=2, attn_layer_indices=[3],
+            mamba_n_heads=8, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=64, mamba_d_conv=4,
+            mamba_expand=2, mamba_chunk_size=128, max_position_embeddings=4096,
+        ),
+        kernels=(
+            "conv: causal-conv1d; scan: mamba-ssm mamba_chunk_scan_combined (training: fused "
+            "mamba_split_conv1d_scan_combined); attention: flash-attn / torch varlen"
+        ),
+        stock_packed=(
+            "position_ids only: silently wrong (Mamba2 layers scan one long sequence); with the collator's "
+            "boundary kwargs: ValueError (causal_conv1d_fn can't keep packed sequences apart)"
+        ),
+    )
+)
