@@ -18,8 +18,8 @@ mamba-ssm's kernels use, so both backends agree token for token):
    (the between-chunk decay mask);
 4. a token reads the carried-in state only if it belongs to the document of the previous chunk's last token.
 
-The forward returns the per-chunk states so the backward (hand-derived, einsum by einsum) recomputes only
-the cheap elementwise pieces. On CUDA, ``backend="mamba_ssm"`` calls mamba-ssm's Triton forward and its own
+The forward also returns the per-chunk states and the intra-chunk decay, so the backward (hand-derived, the
+transpose of each einsum in turn) recomputes only cheap pieces. On CUDA, ``backend="mamba_ssm"`` calls mamba-ssm's Triton forward and its own
 low-level backward.
 
 A second op, ``compilepack::mamba2_split_conv1d_scan_varlen``, is Bamba's fused training path (in-projection
@@ -27,8 +27,6 @@ output -> depthwise causal conv -> scan -> gated RMSNorm -> out-projection) with
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -81,7 +79,7 @@ def mamba2_chunk_scan_varlen(
     """
     _check_scan_args(x, dt, A, B, C, chunk_size, D, dt_bias, seq_idx)
     dt_min, dt_max = (float(limit) for limit in dt_limit)
-    y, _chunk_states, _end_states = torch.ops.compilepack.mamba2_chunk_scan_varlen(
+    y, _saved = torch.ops.compilepack.mamba2_chunk_scan_varlen(
         x, dt, A, B, C, seq_idx.to(torch.int32), D, dt_bias, chunk_size, bool(dt_softplus), dt_min, dt_max,
         backend,
     )
@@ -159,13 +157,11 @@ def _scan_fwd_op(
     dt_min: float,
     dt_max: float,
     backend: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns ``(y, chunk_states, end_states)``; the two state tensors feed the reference backward (empty on
-    the kernel path, whose backward rebuilds what it needs itself)."""
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Returns ``(y, saved)``: ``saved`` feeds the backward (the reference's chunk states, end states and
+    intra-chunk decay; nothing on the kernel path, whose backward rebuilds what it needs itself)."""
     if backends.use_kernel(x, backend):
-        y = _kernel_scan_forward(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max)
-        empty = x.new_empty(EMPTY, dtype=torch.float32)
-        return y, empty, empty.clone()
+        return _kernel_scan_forward(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max), []
     return _reference_scan_forward(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max)
 
 
@@ -174,19 +170,24 @@ def _(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_m
     batch, total, heads, head_dim = x.shape
     y = x.new_empty(batch, total, heads, head_dim, dtype=_scan_output_dtype(x, backend))
     if backends.use_kernel(x, backend):
-        empty = x.new_empty(EMPTY, dtype=torch.float32)
-        return y, empty, empty.clone()
-    states_shape = (batch, _num_chunks(total, chunk_size), heads, head_dim, B.shape[3])
-    dtype = _compute_dtype(x)
-    return y, x.new_empty(states_shape, dtype=dtype), x.new_empty(states_shape, dtype=dtype)
+        return y, []
+    return y, _fake_saved_states(x, batch, total, heads, head_dim, B.shape[3], chunk_size)
+
+
+def _fake_saved_states(like, batch, total, heads, head_dim, state_size, chunk_size) -> list[torch.Tensor]:
+    """Shapes of ``(chunk_states, end_states, decay)`` saved by :func:`_reference_scan_forward`."""
+    nchunks = _num_chunks(total, chunk_size)
+    states = (batch, nchunks, heads, head_dim, state_size)
+    decay = (batch, nchunks, heads, chunk_size, chunk_size)
+    dtype = _compute_dtype(like)
+    return [like.new_empty(shape, dtype=dtype) for shape in (states, states, decay)]
 
 
 @torch.library.custom_op("compilepack::mamba2_chunk_scan_varlen_backward", mutates_args=())
 def _scan_bwd_op(
     grad_y: torch.Tensor,
     y: torch.Tensor,
-    chunk_states: torch.Tensor,
-    end_states: torch.Tensor,
+    saved: list[torch.Tensor],
     x: torch.Tensor,
     dt: torch.Tensor,
     A: torch.Tensor,
@@ -207,13 +208,12 @@ def _scan_bwd_op(
     if backends.use_kernel(x, backend):
         grads = _kernel_scan_backward(grad_y, y, *args)
     else:
-        grads = _reference_scan_backward(grad_y, chunk_states, end_states, *args)
+        grads = _reference_scan_backward(grad_y, saved, *args)
     return _grads_in_input_dtypes(grads, (x, dt, A, B, C, D, dt_bias))
 
 
 @_scan_bwd_op.register_fake
-def _(grad_y, y, chunk_states, end_states, x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, dt_min,
-      dt_max, backend):
+def _(grad_y, y, saved, x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max, backend):
     return tuple(
         torch.empty_like(t) if t is not None else x.new_empty(EMPTY) for t in (x, dt, A, B, C, D, dt_bias)
     )
@@ -232,15 +232,15 @@ def _grads_in_input_dtypes(grads, inputs) -> tuple[torch.Tensor, ...]:
 
 def _scan_setup_context(ctx, inputs, output):
     x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max, backend = inputs
-    y, chunk_states, end_states = output
-    ctx.save_for_backward(y, chunk_states, end_states, x, dt, A, B, C, seq_idx, D, dt_bias)
+    y, saved = output
+    ctx.save_for_backward(y, x, dt, A, B, C, seq_idx, D, dt_bias, *saved)
     ctx.args = (chunk_size, dt_softplus, dt_min, dt_max, backend)
 
 
-def _scan_backward(ctx, grad_y, _grad_chunk_states, _grad_end_states):
-    y, chunk_states, end_states, x, dt, A, B, C, seq_idx, D, dt_bias = ctx.saved_tensors
+def _scan_backward(ctx, grad_y, _grad_saved):
+    y, x, dt, A, B, C, seq_idx, D, dt_bias, *saved = ctx.saved_tensors
     dx, ddt, dA, dB, dC, dD, ddt_bias = torch.ops.compilepack.mamba2_chunk_scan_varlen_backward(
-        grad_y, y, chunk_states, end_states, x, dt, A, B, C, seq_idx, D, dt_bias, *ctx.args
+        grad_y, y, saved, x, dt, A, B, C, seq_idx, D, dt_bias, *ctx.args
     )
     return (
         dx, ddt, dA, dB, dC, None,
@@ -257,7 +257,8 @@ _scan_fwd_op.register_autograd(_scan_backward, setup_context=_scan_setup_context
 
 
 def _process_dt(dt, dt_bias, dt_softplus: bool, dt_min: float, dt_max: float):
-    """transformers' dt processing, in dt's own dtype as there: ``(pre_clamp, dt_processed)``."""
+    """transformers' dt processing, in dt's own dtype as there: ``(biased, activated, processed)`` (the first
+    two feed the backward of the softplus and the clamp)."""
     biased = dt if dt_bias is None else dt + dt_bias.to(dt.dtype)
     activated = F.softplus(biased) if dt_softplus else biased
     return biased, activated, torch.clamp(activated, min=dt_min, max=dt_max)
@@ -274,21 +275,18 @@ def _tril(size: int, device, diagonal: int = 0) -> torch.Tensor:
     return torch.ones(size, size, dtype=torch.bool, device=device).tril(diagonal)
 
 
-def _segment_sum(a: torch.Tensor) -> torch.Tensor:
+def _segment_sum(a: torch.Tensor, strict_lower: torch.Tensor) -> torch.Tensor:
     """``out[..., l, s] = sum_{s < k <= l} a[..., k]`` for ``s <= l`` (garbage above the diagonal, masked by the
-    caller). Summed directly rather than as a cumsum difference, as transformers does, to stay exact for long
-    chunks with strong decay."""
-    size = a.shape[-1]
-    expanded = a[..., :, None].expand(*a.shape, size)
-    return expanded.masked_fill(~_tril(size, a.device, -1), 0).cumsum(dim=-2)
+    caller); ``strict_lower`` is ``_tril(size, -1)``. Summed directly, as transformers' ``segment_sum`` does,
+    rather than as a difference of cumsums, which loses precision over long chunks with strong decay."""
+    return torch.where(strict_lower, a[..., :, None], 0).cumsum(dim=-2)
 
 
-def _segment_sum_backward(grad: torch.Tensor) -> torch.Tensor:
+def _segment_sum_backward(grad: torch.Tensor, strict_lower: torch.Tensor) -> torch.Tensor:
     """Gradient of :func:`_segment_sum` for a ``grad`` that is zero above the diagonal:
-    ``da[k] = sum_{l >= k} sum_{s < k} grad[l, s]``."""
-    size = grad.shape[-1]
-    below = F.pad(grad.cumsum(dim=-1)[..., :-1], (1, 0))  # below[l, k] = sum_{s < k} grad[l, s]
-    return below.masked_fill(~_tril(size, grad.device), 0).sum(dim=-2)
+    ``da[k] = sum_{l >= k} sum_{s < k} grad[l, s] = sum_{l > k-1} cumsum_s(grad)[l, k-1]``."""
+    below = torch.where(strict_lower, grad.cumsum(dim=-1), 0).sum(dim=-2)
+    return F.pad(below[..., :-1], (1, 0))
 
 
 class _Chunked:
@@ -297,8 +295,9 @@ class _Chunked:
     Index names (as in the einsums): b batch row, c chunk, l and s positions in a chunk, g group, j head in
     its group (head h = g * J + j), p head dim, n state dim.
     ``x``, ``x_dt``: ``[b, c, l, g, j, p]``; ``dt``: ``[b, c, l, H]``; ``B``, ``C``: ``[b, c, l, g, n]``;
-    ``log_decay``, ``A_cumsum``: ``[b, c, H, l]``; ``same_doc``: ``[b, c, l, s]``; ``write``, ``read``:
-    ``[b, c, l]``; ``carry``: ``[b, c, k]`` (the state at the end of chunk k reaches the end of chunk c).
+    ``log_decay``, ``A_cumsum``: ``[b, c, H, l]``; ``other_doc``: ``[b, c, l, s]`` (True where token l must not
+    read token s); ``write``, ``read``: ``[b, c, l]``; ``no_carry``: ``[b, c, k]`` (True where the state at the
+    end of chunk k does not reach the end of chunk c).
     """
 
     def __init__(self, x, dt, A, B, C, seq_idx, dt_bias, chunk_size, dt_softplus, dt_min, dt_max):
@@ -324,21 +323,25 @@ class _Chunked:
         seq = torch.cat([seq_idx, seq_idx[:, -1:].expand(batch, pad)], dim=1).view(chunks)
         last = seq[:, :, -1]
         previous_last = torch.cat([last[:, :1], last[:, :-1]], dim=1)  # chunk 0 has no carried-in state
-        self.same_doc = (seq[:, :, :, None] == seq[:, :, None, :]) & _tril(chunk_size, x.device)
+        self.strict_lower = _tril(chunk_size, x.device, -1)
+        self.other_doc = (seq[:, :, :, None] != seq[:, :, None, :]) | ~_tril(chunk_size, x.device)
         self.write = seq == last[:, :, None]
         self.read = seq == previous_last[:, :, None]
-        self.carry = (last[:, :, None] == last[:, None, :]) & _tril(self.nchunks, x.device)
+        self.chunks_strict_lower = _tril(self.nchunks, x.device, -1)
+        self.no_carry = (last[:, :, None] != last[:, None, :]) | ~_tril(self.nchunks, x.device)
 
     def heads_view(self, t: torch.Tensor) -> torch.Tensor:
         """``[b, c, H, ...]`` -> ``[b, c, g, j, ...]``."""
         return t.view(t.shape[0], t.shape[1], self.groups, self.heads // self.groups, *t.shape[3:])
 
-    def intra_chunk_weights(self):
-        """``(CB, decay, W)``: ``CB [b, c, g, l, s] = C_l . B_s``; ``decay [b, c, g, j, l, s]`` from token s to
-        token l inside one document (0 across documents and above the diagonal); ``W = CB * decay``."""
+    def intra_chunk_weights(self, decay: torch.Tensor | None = None):
+        """``(CB, decay, W)``: ``CB [b, c, g, l, s] = C_l . B_s``; ``decay [b, c, H, l, s]`` from token s to
+        token l inside one document (0 across documents and above the diagonal; computed unless given);
+        ``W [b, c, g, j, l, s] = CB * decay``."""
         CB = torch.einsum("bclgn,bcsgn->bcgls", self.C, self.B)
-        decay = self.heads_view(torch.exp(_segment_sum(self.log_decay)).masked_fill_(~self.same_doc[:, :, None], 0))
-        return CB, decay, decay * CB[:, :, :, None]
+        if decay is None:
+            decay = _segment_sum(self.log_decay, self.strict_lower).exp_().masked_fill_(self.other_doc[:, :, None], 0)
+        return CB, decay, self.heads_view(decay) * CB[:, :, :, None]
 
     def write_decay(self) -> torch.Tensor:
         """``[b, c, H, l]``: decay from token l to the end of its chunk, 0 unless l is in the last document."""
@@ -351,14 +354,15 @@ class _Chunked:
     def carry_decay(self) -> torch.Tensor:
         """``[b, H, c, k]``: decay from the end of chunk k to the end of chunk c (k <= c), 0 across documents."""
         chunk_log_decay = self.A_cumsum[..., -1].transpose(1, 2)  # [b, H, c]
-        return torch.exp(_segment_sum(chunk_log_decay)).masked_fill_(~self.carry[:, None], 0)
+        return _segment_sum(chunk_log_decay, self.chunks_strict_lower).exp_().masked_fill_(self.no_carry[:, None], 0)
 
 
 def _reference_scan_forward(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max):
-    """Masked SSD: ``(y [b, T, H, P], chunk_states, end_states)``; states ``[b, c, H, P, N]`` are what each
-    chunk writes and the state at each chunk's end."""
+    """Masked SSD: ``(y [b, T, H, P], [chunk_states, end_states, decay])``; states ``[b, c, H, P, N]`` are what
+    each chunk writes and the state at each chunk's end, ``decay`` the intra-chunk decay (saved for the backward,
+    which would otherwise redo its segment sum and exp)."""
     k = _Chunked(x, dt, A, B, C, seq_idx, dt_bias, chunk_size, dt_softplus, dt_min, dt_max)
-    _CB, _decay, W = k.intra_chunk_weights()
+    _CB, decay, W = k.intra_chunk_weights()
     y = torch.einsum("bcgjls,bcsgjp->bclgjp", W, k.x_dt)
 
     x_written = k.x_dt * _token_major(k.heads_view(k.write_decay()))[..., None]
@@ -371,7 +375,7 @@ def _reference_scan_forward(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_
     y = y.reshape(x.shape[0], -1, *x.shape[2:])[:, : k.total]
     if D is not None:
         y = y + _skip(x.to(y.dtype), D.to(y.dtype))
-    return y.contiguous(), chunk_states.contiguous(), end_states.contiguous()
+    return y.contiguous(), [chunk_states.contiguous(), end_states.contiguous(), decay]
 
 
 def _shift_chunks(end_states: torch.Tensor) -> torch.Tensor:
@@ -384,10 +388,11 @@ def _skip(x: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
     return x * (D[:, None] if D.dim() == 1 else D)
 
 
-def _reference_scan_backward(grad_y, chunk_states, end_states, x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size,
-                             dt_softplus, dt_min, dt_max):
+def _reference_scan_backward(grad_y, saved, x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, dt_min,
+                             dt_max):
     """Hand-derived gradients of :func:`_reference_scan_forward`, each einsum's transpose in turn (the saved
     states spare recomputing the state passing)."""
+    chunk_states, end_states, decay = saved
     k = _Chunked(x, dt, A, B, C, seq_idx, dt_bias, chunk_size, dt_softplus, dt_min, dt_max)
     pad = k.nchunks * chunk_size - k.total
     dy = _pad_time(grad_y.to(k.x.dtype), pad).view_as(k.x)
@@ -405,7 +410,7 @@ def _reference_scan_backward(grad_y, chunk_states, end_states, x, dt, A, B, C, s
     carry = k.carry_decay()
     d_chunk_states = k.heads_view(torch.einsum("bhck,bchpn->bkhpn", carry, d_end))
     d_carry = torch.einsum("bchpn,bkhpn->bhck", d_end, chunk_states).mul_(carry)
-    d_A_cumsum[..., -1] += _segment_sum_backward(d_carry).transpose(1, 2)
+    d_A_cumsum[..., -1] += _segment_sum_backward(d_carry, k.chunks_strict_lower).transpose(1, 2)
 
     # chunk_state = sum_l B_l * write_decay_l * x_dt_l
     write = _token_major(k.heads_view(k.write_decay()))
@@ -417,13 +422,13 @@ def _reference_scan_backward(grad_y, chunk_states, end_states, x, dt, A, B, C, s
     d_A_cumsum[..., -1] += d_write.sum(-1)
 
     # y = sum_s (CB * decay)[l, s] * x_dt_s inside the chunk
-    CB, decay, W = k.intra_chunk_weights()
+    CB, decay, W = k.intra_chunk_weights(decay)
     d_x_dt += torch.einsum("bcgjls,bclgjp->bcsgjp", W, dy)
-    dW = torch.einsum("bclgjp,bcsgjp->bcgjls", dy, k.x_dt)
-    dCB = torch.einsum("bcgjls,bcgjls->bcgls", dW, decay)
+    d_decay = torch.einsum("bclgjp,bcsgjp->bcgjls", dy, k.x_dt).mul_(k.heads_view(decay))  # dW * decay
+    dCB = d_decay.sum(3)
     dC += torch.einsum("bcgls,bcsgn->bclgn", dCB, k.B)
     dB += torch.einsum("bcgls,bclgn->bcsgn", dCB, k.C)
-    d_log_decay = _segment_sum_backward(dW.mul_(W).flatten(2, 3))
+    d_log_decay = _segment_sum_backward(d_decay.mul_(CB[:, :, :, None]).flatten(2, 3), k.strict_lower)
 
     # A_cumsum = cumsum(dt * A)
     d_log_decay += d_A_cumsum.flip(-1).cumsum(-1).flip(-1)
@@ -561,7 +566,7 @@ def mamba2_split_conv1d_scan_varlen(
                       rmsnorm_weight, outproj_weight, outproj_bias, headdim, ngroups)
     headdim = D.shape[1] if D.dim() == 2 else int(headdim)
     dt_min, dt_max = (float(limit) for limit in dt_limit)
-    out, _saved, _saved_states, _saved_end_states = torch.ops.compilepack.mamba2_split_conv1d_scan_varlen(
+    out, _saved = torch.ops.compilepack.mamba2_split_conv1d_scan_varlen(
         zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, seq_idx.to(torch.int32), rmsnorm_weight,
         outproj_weight, outproj_bias, chunk_size, dt_min, dt_max, activation or "none", float(rmsnorm_eps),
         headdim, int(ngroups), bool(norm_before_gate), backend,
@@ -664,10 +669,10 @@ def _split_fwd_op(
     ngroups: int,
     norm_before_gate: bool,
     backend: str,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns ``(out, *saved)``. Saved for the backward: on the kernel path what mamba-ssm's autograd
-    Function saves beyond the inputs (``out_x``, ``rstd``, empty); on the reference path the scan output and
-    its chunk / end states."""
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Returns ``(out, saved)``. Saved for the backward: on the kernel path what mamba-ssm's autograd Function
+    saves beyond the inputs (``out_x``, ``rstd``); on the reference path the scan output and what the scan
+    saves (chunk states, end states, intra-chunk decay)."""
     args = (zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, seq_idx, rmsnorm_weight, outproj_weight,
             outproj_bias, chunk_size, dt_min, dt_max, activation, rmsnorm_eps, headdim, ngroups, norm_before_gate)
     if backends.use_kernel(zxbcdt, backend):
@@ -684,20 +689,16 @@ def _(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, seq_idx, rmsnorm_weight
     scan_shape = (dims.batch, dims.total, dims.heads, headdim)
     if backends.use_kernel(zxbcdt, backend):
         rstd_shape = (ngroups * dims.batch * dims.total,) if rmsnorm_weight is not None else EMPTY
-        return (out, zxbcdt.new_empty(scan_shape), zxbcdt.new_empty(rstd_shape, dtype=torch.float32),
-                zxbcdt.new_empty(EMPTY, dtype=torch.float32))
-    dtype = _compute_dtype(zxbcdt)
-    states_shape = (dims.batch, _num_chunks(dims.total, chunk_size), dims.heads, headdim, dims.state_size)
-    return (out, zxbcdt.new_empty(scan_shape, dtype=dtype), zxbcdt.new_empty(states_shape, dtype=dtype),
-            zxbcdt.new_empty(states_shape, dtype=dtype))
+        return out, [zxbcdt.new_empty(scan_shape), zxbcdt.new_empty(rstd_shape, dtype=torch.float32)]
+    y = zxbcdt.new_empty(scan_shape, dtype=_compute_dtype(zxbcdt))
+    return out, [y, *_fake_saved_states(zxbcdt, dims.batch, dims.total, dims.heads, headdim, dims.state_size,
+                                        chunk_size)]
 
 
 @torch.library.custom_op("compilepack::mamba2_split_conv1d_scan_varlen_backward", mutates_args=())
 def _split_bwd_op(
     grad_out: torch.Tensor,
-    saved_0: torch.Tensor,
-    saved_1: torch.Tensor,
-    saved_2: torch.Tensor,
+    saved: list[torch.Tensor],
     zxbcdt: torch.Tensor,
     conv1d_weight: torch.Tensor,
     conv1d_bias: torch.Tensor | None,
@@ -725,17 +726,17 @@ def _split_bwd_op(
               outproj_bias)
     statics = (chunk_size, dt_min, dt_max, activation, rmsnorm_eps, headdim, ngroups, norm_before_gate)
     if backends.use_kernel(zxbcdt, backend):
-        grads = _kernel_split_backward(grad_out, saved_0, saved_1, *inputs, *statics)
+        grads = _kernel_split_backward(grad_out, *saved, *inputs, *statics)
     else:
-        grads = _reference_split_backward(grad_out, saved_0, saved_1, saved_2, *inputs, *statics)
+        grads = _reference_split_backward(grad_out, saved, *inputs, *statics)
     differentiable = (zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, outproj_weight,
                       outproj_bias)
     return _grads_in_input_dtypes(grads, differentiable)
 
 
 @_split_bwd_op.register_fake
-def _(grad_out, saved_0, saved_1, saved_2, zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, seq_idx,
-      rmsnorm_weight, outproj_weight, outproj_bias, *statics):
+def _(grad_out, saved, zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, seq_idx, rmsnorm_weight, outproj_weight,
+      outproj_bias, *statics):
     return tuple(
         torch.empty_like(t) if t is not None else zxbcdt.new_empty(EMPTY)
         for t in (zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, rmsnorm_weight, outproj_weight, outproj_bias)
@@ -743,14 +744,15 @@ def _(grad_out, saved_0, saved_1, saved_2, zxbcdt, conv1d_weight, conv1d_bias, d
 
 
 def _split_setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*output[1:], *inputs[:10])
+    _out, saved = output
+    ctx.save_for_backward(*inputs[:10], *saved)
     ctx.statics = inputs[10:]
 
 
-def _split_backward(ctx, grad_out, *_grad_saved):
-    saved = ctx.saved_tensors
-    grads = torch.ops.compilepack.mamba2_split_conv1d_scan_varlen_backward(grad_out, *saved, *ctx.statics)
-    inputs = saved[3:]
+def _split_backward(ctx, grad_out, _grad_saved):
+    inputs, saved = ctx.saved_tensors[:10], ctx.saved_tensors[10:]
+    grads = torch.ops.compilepack.mamba2_split_conv1d_scan_varlen_backward(grad_out, list(saved), *inputs,
+                                                                            *ctx.statics)
     d_zxbcdt, d_conv_w, d_conv_b, d_dt_bias, dA, dD, d_rms_w, d_out_w, d_out_b = grads
     present = lambda grad, tensor: grad if tensor is not None else None  # noqa: E731
     return (
@@ -864,26 +866,25 @@ def _reference_split_forward(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, 
     keep = _conv_taps_keep(seq_idx, conv1d_weight.shape[1])
     xBC = _activate(_conv_forward(xBC, conv1d_weight, conv1d_bias, keep), activation).to(zxbcdt.dtype)
     x, B, C = dims.split_conv_output(xBC)
-    y, chunk_states, end_states = _reference_scan_forward(
-        x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, True, dt_min, dt_max
-    )
+    y, scan_saved = _reference_scan_forward(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, True, dt_min, dt_max)
     out, _normed, _rstd = _gated_norm_forward(y.flatten(2), z, rmsnorm_weight, rmsnorm_eps, ngroups,
                                               norm_before_gate)
     out = out.to(zxbcdt.dtype)
     if outproj_weight is not None:
         out = F.linear(out, outproj_weight.to(out.dtype), _cast(outproj_bias, out.dtype))
-    return out, y, chunk_states, end_states
+    return out, [y, *scan_saved]
 
 
 def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if t is None else t.to(dtype)
 
 
-def _reference_split_backward(grad_out, y, chunk_states, end_states, zxbcdt, conv1d_weight, conv1d_bias, dt_bias,
-                              A, D, seq_idx, rmsnorm_weight, outproj_weight, outproj_bias, chunk_size, dt_min,
-                              dt_max, activation, rmsnorm_eps, headdim, ngroups, norm_before_gate):
+def _reference_split_backward(grad_out, saved, zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, seq_idx,
+                              rmsnorm_weight, outproj_weight, outproj_bias, chunk_size, dt_min, dt_max, activation,
+                              rmsnorm_eps, headdim, ngroups, norm_before_gate):
     """Explicit backward of the composed pieces; the conv and the norm (cheap, elementwise) are recomputed, the
     scan's states come from the forward."""
+    y, *scan_saved = saved
     dims = _SplitDims(zxbcdt, conv1d_weight, A, headdim, ngroups)
     z, xBC_in, dt = dims.split_input(zxbcdt)
     keep = _conv_taps_keep(seq_idx, conv1d_weight.shape[1])
@@ -903,7 +904,7 @@ def _reference_split_backward(grad_out, y, chunk_states, end_states, zxbcdt, con
                                              ngroups, norm_before_gate)
 
     dx, ddt, dA, dB, dC, dD, d_dt_bias = _reference_scan_backward(
-        d_y.unflatten(-1, (dims.heads, headdim)), chunk_states, end_states, x, dt, A, B, C, seq_idx, D, dt_bias,
+        d_y.unflatten(-1, (dims.heads, headdim)), scan_saved, x, dt, A, B, C, seq_idx, D, dt_bias,
         chunk_size, True, dt_min, dt_max,
     )
     d_act = torch.cat([dx.flatten(2), dB.flatten(2), dC.flatten(2)], dim=-1).to(pre.dtype)
@@ -956,7 +957,7 @@ def _kernel_split_forward(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, seq
         )
     out_x, rstd = ctx.saved_tensors[3], ctx.saved_tensors[10]
     rstd = rstd if rstd is not None else zxbcdt.new_empty(EMPTY, dtype=torch.float32)
-    return out, out_x, rstd, zxbcdt.new_empty(EMPTY, dtype=torch.float32)
+    return out, [out_x, rstd]
 
 
 def _kernel_split_backward(grad_out, out_x, rstd, zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, seq_idx,

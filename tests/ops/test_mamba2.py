@@ -11,7 +11,6 @@ we allow 1e-5.
 from __future__ import annotations
 
 import inspect
-import math
 import types
 
 import pytest
@@ -253,10 +252,9 @@ def test_opcheck_forward_and_backward(lengths):
     no_D = (x, dt, A, B, C, seq_idx, None, None, *statics)
     torch.library.opcheck(torch.ops.compilepack.mamba2_chunk_scan_varlen.default, no_D, test_utils=OPCHECK_TESTS)
     with torch.no_grad():
-        y, chunk_states, end_states = torch.ops.compilepack.mamba2_chunk_scan_varlen(*args)
+        y, saved = torch.ops.compilepack.mamba2_chunk_scan_varlen(*args)
     detached = [t.detach() for t in (x, dt, A, B, C)]
-    backward_args = (torch.randn_like(y), y, chunk_states, end_states, *detached, seq_idx, D.detach(),
-                     dt_bias.detach(), *statics)
+    backward_args = (torch.randn_like(y), y, saved, *detached, seq_idx, D.detach(), dt_bias.detach(), *statics)
     torch.library.opcheck(torch.ops.compilepack.mamba2_chunk_scan_varlen_backward.default, backward_args,
                           test_utils=OPCHECK_TESTS)
 
@@ -322,7 +320,7 @@ class _FakeSSD(types.SimpleNamespace):
                 fake.calls.append("split_forward")
                 fake.check_split(zxbcdt, conv1d_weight, seq_idx, chunk_size, headdim, ngroups, dt_limit)
                 assert initial_states is None and return_final_states is False
-                out, y, _, _ = fake.split_reference(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, seq_idx,
+                out, (y, *_) = fake.split_reference(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, seq_idx,
                                                     rmsnorm_weight, outproj_weight, outproj_bias, chunk_size,
                                                     dt_limit, activation, rmsnorm_eps, headdim, ngroups,
                                                     norm_before_gate)
@@ -346,9 +344,9 @@ class _FakeSSD(types.SimpleNamespace):
                 args = (zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, seq_idx, rmsnorm_weight,
                         outproj_weight, outproj_bias, ctx.chunk_size, *ctx.dt_limit, ctx.activation or "none",
                         ctx.rmsnorm_eps, ctx.headdim, ctx.ngroups, ctx.norm_before_gate)
-                _, y, states, end_states = mamba2._reference_split_forward(*args)
-                torch.testing.assert_close(out_x, y.to(out_x.dtype))
-                grads = mamba2._reference_split_backward(dout, y, states, end_states, *args)
+                _, saved = mamba2._reference_split_forward(*args)
+                torch.testing.assert_close(out_x, saved[0].to(out_x.dtype))
+                grads = mamba2._reference_split_backward(dout, saved, *args)
                 d_zxbcdt, d_w, d_b, d_dt_bias, dA, dD, d_rms, d_ow, d_ob = grads
                 return (d_zxbcdt, d_w, d_b, d_dt_bias, dA, dD, None, None, None, None, None, None, d_rms, None,
                         d_ow, d_ob, None, None, None, None)
@@ -388,8 +386,8 @@ class _FakeSSD(types.SimpleNamespace):
         self.calls.append("scan_forward")
         self.check_scan(x, dt, A, B, C, chunk_size, D, dt_bias, seq_idx, dt_softplus, dt_limit)
         assert z is None
-        y, _, _ = mamba2._reference_scan_forward(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus,
-                                                 *dt_limit)
+        y, _ = mamba2._reference_scan_forward(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus,
+                                              *dt_limit)
         return y.to(x.dtype)
 
     def _mamba_chunk_scan_combined_bwd(self, dout, x, dt, A, B, C, out, chunk_size, D=None, z=None, dt_bias=None,
@@ -399,10 +397,10 @@ class _FakeSSD(types.SimpleNamespace):
         self.check_scan(x, dt, A, B, C, chunk_size, D, dt_bias, seq_idx, dt_softplus, dt_limit)
         _assert_kernel_tensor(dout, "dout", x.dtype)
         assert z is None and initial_states is None and dfinal_states is None and out.shape == x.shape
-        _, states, end_states = mamba2._reference_scan_forward(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size,
-                                                               dt_softplus, *dt_limit)
+        _, saved = mamba2._reference_scan_forward(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus,
+                                                  *dt_limit)
         dx, ddt, dA, dB, dC, dD, ddt_bias = mamba2._reference_scan_backward(
-            dout, states, end_states, x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, *dt_limit)
+            dout, saved, x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, *dt_limit)
         return dx, ddt, dA.float(), dB, dC, dD, None, ddt_bias, None
 
 
@@ -611,10 +609,10 @@ def test_split_opcheck_forward_and_backward(lengths):
     op = torch.ops.compilepack.mamba2_split_conv1d_scan_varlen
     torch.library.opcheck(op.default, args, test_utils=OPCHECK_TESTS)
     with torch.no_grad():
-        out, *saved = op(*args)
+        out, saved = op(*args)
     detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
     torch.library.opcheck(torch.ops.compilepack.mamba2_split_conv1d_scan_varlen_backward.default,
-                          (torch.randn_like(out), *saved, *detached), test_utils=OPCHECK_TESTS)
+                          (torch.randn_like(out), saved, *detached), test_utils=OPCHECK_TESTS)
 
 
 def test_split_explain_and_compile_once():
@@ -689,8 +687,3 @@ def test_every_family_shares_the_stock_scan():
     reference = source("bamba")
     for name in ("mamba2", "zamba2", "falcon_h1", "nemotron_h", "granitemoehybrid"):
         assert source(name) == reference, name
-
-
-def test_num_chunks_helper():
-    assert [mamba2._num_chunks(t, 64) for t in (1, 64, 65, 128)] == [1, 1, 2, 2]
-    assert math.ceil(130 / 64) == mamba2._num_chunks(130, 64)
