@@ -10,8 +10,8 @@ The backward is explicit: the forward saves the state at the start of every chun
 cheap chunk-parallel quantities, runs one reverse loop over chunks for the state gradient (two small matmuls per
 chunk, no autograd), and derives every input gradient with batched matmuls.
 
-On CUDA with ``backend="fla"`` the op calls flash-linear-attention's own low-level functions (read in fla 0.6.0,
-``fla/ops/gated_delta_rule/chunk.py``): ``l2norm_fwd``/``l2norm_bwd`` and
+On CUDA with ``backend="fla"`` the op calls flash-linear-attention's own low-level functions (fla >= 0.5; read in
+0.6.0, ``fla/ops/gated_delta_rule/chunk.py``): ``l2norm_fwd``/``l2norm_bwd`` and
 ``chunk_gated_delta_rule_fwd``/``chunk_gated_delta_rule_bwd``, saving what fla's autograd Function saves, so
 nothing is recomputed.
 """
@@ -355,7 +355,8 @@ def _chunk_end_state_grads(do_c: Tensor, c: _Chunks) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# CUDA path: flash-linear-attention's own forward/backward functions (fla 0.6.0 API).
+# CUDA path: flash-linear-attention's own forward/backward functions. Read in fla 0.6.0; the arguments used are
+# the ones 0.5.x and 0.6.0 share (0.5 has no chunk_size argument, its default 64 is ours; 0.4 lacks chunk_indices).
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -383,7 +384,7 @@ def _kernel_forward(q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale):
         chunk_indices = fla.prepare_chunk_indices(cu_seqlens, CHUNK)
         g_cum, o, A = fla.chunk_gated_delta_rule_fwd(
             q=q1, k=k1, v=v1, g=g1, beta=beta1, scale=scale, initial_state=None, output_final_state=False,
-            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=CHUNK,
+            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
         )[:3]
     B, T = q.shape[:2]
     saved = [x.view(B, T, *x.shape[2:]) for x in norms] + [g_cum.view(g.shape), A.view(*v.shape[:3], CHUNK)]
@@ -399,7 +400,7 @@ def _kernel_backward(do, q, k, v, g, beta, cu_seqlens, saved, use_qk_l2norm, sca
         chunk_indices = fla.prepare_chunk_indices(cu_seqlens, CHUNK)
         dq, dk, dv, dbeta, dg = fla.chunk_gated_delta_rule_bwd(
             q=q1, k=k1, v=v1, g=g_cum, beta=beta1, A=A, scale=scale, initial_state=None, do=do1, dht=None,
-            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices, chunk_size=CHUNK,
+            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
         )[:5]
         if use_qk_l2norm:
             dq = fla.l2norm_bwd(q1, q_rstd, dq)

@@ -89,8 +89,9 @@ def test_packed_equals_each_document_alone(lengths):
         assert_close(got, ref, f"d{name}")
 
 
-def test_single_document_equals_stock_function():
-    inputs = make_inputs(150)
+@pytest.mark.parametrize("heads, dims", [((H, HV), (K, V)), ((3, 3), (8, 16)), ((1, 4), (16, 16))])
+def test_single_document_equals_stock_function(heads, dims):
+    inputs = make_inputs(150, heads=heads, dims=dims)
     o, grads, do = run_op(inputs, cu_seqlens_of([150]))
     o_ref, grads_ref = run_stock(inputs, do)
     assert_close(o, o_ref, "output")
@@ -149,8 +150,8 @@ def naive_recurrence_fp64(q, k, v, g, beta, lengths, scale):
 
 
 def test_gradients_match_fp64_recurrence():
-    """The hand-derived backward against autograd through an fp64 token loop (relative to the largest entry:
-    fp32 per-entry errors are ~1e-6 of the tensor's scale; 1e-4 leaves room for unlucky cancellations)."""
+    """The hand-derived backward against autograd through an fp64 token loop, relative to the largest entry
+    (measured: <= 7e-7 of it for every gradient; fp32 is the op's compute precision)."""
     lengths = [5, 70, 1, 60]
     inputs = make_inputs(sum(lengths), seed=3)
     o, grads, do = run_op(inputs, cu_seqlens_of(lengths))
@@ -159,7 +160,7 @@ def test_gradients_match_fp64_recurrence():
     grads64 = torch.autograd.grad(o64, inputs64, do.double())
     assert_close(o.double(), o64, "output", tol=1e-5)
     for name, got, ref in zip("q k v g beta".split(), grads, grads64):
-        assert_close(got.double(), ref, f"d{name}", tol=1e-4)
+        assert_close(got.double(), ref, f"d{name}", tol=1e-5)
 
 
 def test_without_l2norm_and_custom_scale():
@@ -187,7 +188,7 @@ def test_bfloat16_inputs_keep_their_dtype():
 # --------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("lengths", [[64], [1, 63, 64, 2], [10, 0, 30], [3] * 9])
+@pytest.mark.parametrize("lengths", [[64], [1, 63, 64, 2], [10, 0, 30]])
 def test_opcheck(lengths):
     inputs = make_inputs(sum(lengths), seed=2)
     cu = cu_seqlens_of(lengths) if 0 not in lengths else torch.tensor([0, 10, 10, 40], dtype=torch.int32)
@@ -238,12 +239,12 @@ def test_aot_eager_backward_matches_eager():
 
 
 # --------------------------------------------------------------------------------------------------------------
-# CUDA path on CPU: a fake fla module that checks fla 0.6.0's argument contract and returns reference results
+# CUDA path on CPU: a fake fla module that checks fla's argument contract and returns reference results
 # --------------------------------------------------------------------------------------------------------------
 
 
 class FakeFla(types.SimpleNamespace):
-    """Stands in for ``fla.ops.gated_delta_rule.chunk``; records every call."""
+    """Stands in for ``fla.ops.gated_delta_rule.chunk`` (fla 0.6.0, API shared with 0.5.x); records every call."""
 
     def __init__(self, total: int):
         super().__init__(calls=[], total=total)
@@ -270,32 +271,31 @@ class FakeFla(types.SimpleNamespace):
         assert type(chunk_size) is int and chunk_size == 64
         return torch.zeros(3, 2, dtype=torch.int32)
 
-    def _check(self, q, k, v, g, beta, scale, cu_seqlens, chunk_indices, chunk_size, initial_state):
+    def _check(self, q, k, v, g, beta, scale, cu_seqlens, chunk_indices, initial_state):
         for x in (q, k, v):
             self._packed_row(x, 0, 0)
         for x in (g, beta):
             self._packed_row(x, 0)
         assert q.shape[1] == self.total and v.shape[2] % q.shape[2] == 0  # fla handles HV > H itself (GVA)
-        assert type(scale) is float and initial_state is None and chunk_size == 64
+        assert type(scale) is float and initial_state is None
         assert cu_seqlens.dtype == torch.int32 and cu_seqlens.device == q.device
         assert chunk_indices is not None, "pass chunk indices so fla does not rebuild them"
 
+    # only the arguments fla 0.5.x and 0.6.0 share: passing any other one fails here with a TypeError
     def chunk_gated_delta_rule_fwd(
-        self, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_indices, chunk_size
+        self, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_indices
     ):
         self.calls.append("fwd")
-        self._check(q, k, v, g, beta, scale, cu_seqlens, chunk_indices, chunk_size, initial_state)
+        self._check(q, k, v, g, beta, scale, cu_seqlens, chunk_indices, initial_state)
         assert output_final_state is False
         o, _ = gdr._reference_forward(q, k, v, g, beta, cu_seqlens, False, scale)
-        A = k.new_zeros(*v.shape[:3], chunk_size)
+        A = k.new_zeros(*v.shape[:3], 64)
         g_cum = g.float() * 1.0  # stands for fla's chunk-local cumsum; the fake backward reads it back as g
         return g_cum, o.to(v.dtype), A, None, None, None
 
-    def chunk_gated_delta_rule_bwd(
-        self, q, k, v, g, beta, A, scale, initial_state, do, dht, cu_seqlens, chunk_indices, chunk_size
-    ):
+    def chunk_gated_delta_rule_bwd(self, q, k, v, g, beta, A, scale, initial_state, do, dht, cu_seqlens, chunk_indices):
         self.calls.append("bwd")
-        self._check(q, k, v, g, beta, scale, cu_seqlens, chunk_indices, chunk_size, initial_state)
+        self._check(q, k, v, g, beta, scale, cu_seqlens, chunk_indices, initial_state)
         assert g.dtype == torch.float32 and A.shape == (*v.shape[:3], 64) and dht is None
         _, saved = gdr._reference_forward(q, k, v, g, beta, cu_seqlens, False, scale)
         dq, dk, dv, dg, db = gdr._reference_backward(do, q, k, v, g, beta, cu_seqlens, saved, False, scale)
