@@ -48,7 +48,7 @@ def _explain_command(args) -> int:
     stock = family.build_tiny(variant).eval()
     patched = patching.patch(copy.deepcopy(stock))
     collate = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)
-    vocab = stock.config.vocab_size
+    vocab = stock.config.get_text_config().vocab_size
     docs = _documents(vocab, [70, 1, 23, 5, 40], seed=0)
     batch = collate([{"input_ids": d} for d in docs])
     stream = [collate([{"input_ids": d} for d in _documents(vocab, _lengths(i), seed=i)]) for i in range(args.batches)]

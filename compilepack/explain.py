@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 import torch._dynamo
-import torch._dynamo.testing
+import torch._dynamo.utils
 
 
 @dataclasses.dataclass
@@ -34,11 +34,10 @@ class CompileReport:
     """How often a compiled model compiled over a stream of batches."""
 
     batches: int
-    compiles: int  # frames dynamo compiled: 1 means no recompiles
-    graphs: int
+    compiles: int  # graphs dynamo compiled over the stream: 1 means one graph and no recompiles
 
     def __str__(self) -> str:
-        return f"{self.compiles} compile(s) over {self.batches} batches ({self.graphs} graph(s))"
+        return f"{self.compiles} compile(s) over {self.batches} batches"
 
 
 def explain(model: torch.nn.Module, batch: Mapping, *, backward: bool = False) -> ExplainReport:
@@ -67,25 +66,29 @@ def count_compiles(
     dynamic: bool | None = True,
     backward: bool = False,
     fullgraph: bool = False,
+    backend: str = "eager",
 ) -> CompileReport:
     """Compile ``model`` once and count dynamo compiles over ``batches`` (1 = no recompiles).
 
-    Counts with a counting backend (no inductor codegen), so it is fast; with ``backward=True`` the backend
-    is ``aot_eager`` so the backward graphs are traced too.
+    Compiles with ``backend`` (default ``"eager"``: dynamo only, no codegen, so counting is fast; use
+    ``"aot_eager"`` to trace the backward graphs too). Counts dynamo's compiled graphs: a restarted analysis
+    (dynamo re-tracing one frame after specialising a float) is not a recompile and is not counted.
     """
     torch._dynamo.reset()
-    if backward:
-        counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
-    else:
-        counter = torch._dynamo.testing.CompileCounter()
-    compiled = torch.compile(_step(model, backward), backend=counter, dynamic=dynamic, fullgraph=fullgraph)
+    compiled = torch.compile(_step(model, backward), backend=backend, dynamic=dynamic, fullgraph=fullgraph)
     count = 0
+    graphs_before = _compiled_graphs()
     with _autograd_traced(backward), _grads_preserved(model):
         for batch in batches:
             compiled(batch)
             count += 1
+    compiles = _compiled_graphs() - graphs_before
     torch._dynamo.reset()
-    return CompileReport(batches=count, compiles=counter.frame_count, graphs=len(getattr(counter, "graphs", [])) or counter.frame_count)
+    return CompileReport(batches=count, compiles=compiles)
+
+
+def _compiled_graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 def _step(model, backward: bool):
