@@ -141,10 +141,8 @@ def family_of(model) -> Family:
 def _patched_forwards(family: Family, backends: Backends) -> dict[type, Callable]:
     stock = _import_modeling(family)
     decoder_cls = _class(stock, family.decoder)
-    decoder_replacements = [r for r in R.MASK_CREATORS if r.global_name in _global_names(decoder_cls)]
-    if not decoder_replacements:
-        raise _incompatible(family, f"{family.decoder}.forward no longer calls create_causal_mask")
-    plan = {decoder_cls: tuple(decoder_replacements)}
+    # Models without attention (Mamba, Mamba2) build no causal mask: their decoder only prepares the batch.
+    plan = {decoder_cls: tuple(r for r in R.MASK_CREATORS if r.global_name in _global_names(decoder_cls))}
     for class_name, needed in family.layers.items():
         cls = _class(stock, class_name)
         missing = [r.global_name for r in needed if r.global_name not in _global_names(cls)]
