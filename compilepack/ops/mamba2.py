@@ -522,7 +522,7 @@ def mamba2_split_conv1d_scan_varlen(
     dt_limit: tuple[float, float] = (0.0, float("inf")),
     activation: str | None = "silu",
     rmsnorm_weight: torch.Tensor | None = None,
-    rmsnorm_eps: float = 1e-6,
+    rmsnorm_eps: float | None = 1e-6,
     outproj_weight: torch.Tensor | None = None,
     outproj_bias: torch.Tensor | None = None,
     headdim: int | None = None,
@@ -551,7 +551,7 @@ def mamba2_split_conv1d_scan_varlen(
         activation: ``"silu"`` / ``"swish"`` after the conv, or None.
         rmsnorm_weight: ``[dim]`` gated RMSNorm weight (groups of ``dim // ngroups``), or None for plain
             ``y * silu(z)`` gating.
-        rmsnorm_eps: RMSNorm epsilon.
+        rmsnorm_eps: RMSNorm epsilon (None only without ``rmsnorm_weight``, as FalconH1 passes it).
         outproj_weight: ``[out, dim]`` out-projection weight, or None.
         outproj_bias: ``[out]`` or None.
         headdim: ``P`` when ``D`` is ``[H]``.
@@ -563,12 +563,13 @@ def mamba2_split_conv1d_scan_varlen(
         ``[b, T, out]`` (``[b, T, dim]`` without out-projection) in ``zxbcdt.dtype``.
     """
     _check_split_args(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, seq_idx, activation,
-                      rmsnorm_weight, outproj_weight, outproj_bias, headdim, ngroups)
+                      rmsnorm_weight, rmsnorm_eps, outproj_weight, outproj_bias, headdim, ngroups)
     headdim = D.shape[1] if D.dim() == 2 else int(headdim)
     dt_min, dt_max = (float(limit) for limit in dt_limit)
     out, _saved = torch.ops.compilepack.mamba2_split_conv1d_scan_varlen(
         zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, seq_idx.to(torch.int32), rmsnorm_weight,
-        outproj_weight, outproj_bias, chunk_size, dt_min, dt_max, activation or "none", float(rmsnorm_eps),
+        outproj_weight, outproj_bias, chunk_size, dt_min, dt_max, activation or "none",
+        1e-6 if rmsnorm_eps is None else float(rmsnorm_eps),  # FalconH1 passes None along with no norm weight
         headdim, int(ngroups), bool(norm_before_gate), backend,
     )
     return out
@@ -579,7 +580,7 @@ def _split_fail(argument: str, expected: str, got) -> None:
 
 
 def _check_split_args(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_size, seq_idx, activation,
-                      rmsnorm_weight, outproj_weight, outproj_bias, headdim, ngroups) -> None:
+                      rmsnorm_weight, rmsnorm_eps, outproj_weight, outproj_bias, headdim, ngroups) -> None:
     """Shape/dtype errors a caller can fix (static facts only, safe to trace)."""
     if seq_idx is None:
         raise ValueError(
@@ -620,6 +621,8 @@ def _check_split_args(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, chunk_s
         _split_fail("seq_idx", "an int32 (or int64) tensor of document indices", seq_idx.dtype)
     if rmsnorm_weight is not None and rmsnorm_weight.shape != (dim,):
         _split_fail("rmsnorm_weight", f"[dim] = {(dim,)}", tuple(rmsnorm_weight.shape))
+    if rmsnorm_weight is not None and rmsnorm_eps is None:
+        _split_fail("rmsnorm_eps", "a float when rmsnorm_weight is given", None)
     if outproj_weight is not None and (outproj_weight.dim() != 2 or outproj_weight.shape[1] != dim):
         _split_fail("outproj_weight", f"[out, dim] with dim = {dim}", tuple(outproj_weight.shape))
     if outproj_bias is not None and (outproj_weight is None or outproj_bias.shape != outproj_weight.shape[:1]):
