@@ -1,0 +1,69 @@
+"""Repository-level promises: the README's commands, the registry's completeness, lazy CUDA imports, the CLI."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import compilepack
+
+ROOT = Path(__file__).resolve().parents[1]
+CUDA_ONLY_MODULES = ("flash_attn", "fla", "mamba_ssm", "causal_conv1d", "triton")
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    readme_commands = re.findall(r"```bash\n(.*?)\n```", (ROOT / "README.md").read_text(), flags=re.S)
+    test_command = readme_commands[1].split("&&")[-1].strip()
+    ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    assert ci_lines[-1] == test_command
+    assert "python -m compilepack bench" in readme_commands[0]
+
+
+def test_every_family_has_tiny_configs_and_a_docs_row():
+    table = (ROOT / "docs" / "models.md").read_text()
+    rows = {line.split("|")[1].strip().strip("`") for line in table.splitlines() if line.startswith("| `")}
+    for family in compilepack.families():
+        assert family.tiny_configs, family.name
+        assert family.name in rows, f"docs/models.md has no row for {family.name}"
+        assert family.kernels and family.stock_packed, f"{family.name}: describe kernels and stock behaviour"
+
+
+def test_every_patch_module_registers_a_family():
+    modules = {p.stem for p in (ROOT / "patches").glob("*.py") if not p.stem.startswith("_")}
+    registered = {f.modeling.rsplit(".", 1)[-1].removeprefix("modeling_") for f in compilepack.families()}
+    registering_files = set()
+    for module in modules:
+        text = (ROOT / "patches" / f"{module}.py").read_text()
+        if "register(" in text:
+            registering_files.add(module)
+    assert registering_files == modules
+    assert registered  # at least the headline families
+
+
+def test_importing_and_patching_imports_no_cuda_library():
+    code = (
+        "import sys, compilepack, torch\n"
+        "from compilepack.patching import family_named\n"
+        "for name in ('llama', 'qwen3_next', 'bamba'):\n"
+        "    compilepack.patch(family_named(name).build_tiny())\n"
+        f"print([m for m in sys.modules if m.split('.')[0] in {CUDA_ONLY_MODULES!r}])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.slow
+def test_explain_cli_prints_stock_next_to_patched():
+    out = subprocess.run(
+        [sys.executable, "-m", "compilepack", "explain", "llama", "--batches", "3"],
+        capture_output=True, text=True, check=True, cwd=ROOT,
+    ).stdout
+    lines = out.splitlines()
+    stock = next(line for line in lines if line.startswith("stock"))
+    patched = next(line for line in lines if line.startswith("patched"))
+    assert patched.count("1 graph, 0 brk") == 2
+    assert float(patched.split()[-1]) <= 1e-5 and float(stock.split()[-1]) > 1e-2
