@@ -5,14 +5,18 @@ The op takes the layout transformers passes to ``causal_conv1d_fn`` (``x [B, D, 
 ``[B, T, D]`` tensor (strides ``(T*D, 1, D)``) on every path, which is what the causal-conv1d kernel returns
 for channel-last input (``torch.empty_like(x)``) and what the caller's ``out.transpose(1, 2)`` wants.
 
-Reference (any device, pure torch), in ``[B, T, D]`` so every tap is a contiguous slice:
-  forward  = the plain conv as W fused multiply-adds (``addcmul_``), then the rows within W-1 tokens after a
-             document start (the only rows a tap can leak into) recomputed exactly from gathered, masked taps;
-  backward = the transposed conv the same way (rows within W-1 tokens before a document end recomputed), the
-             weight gradient as W dot products minus the few leaked pairs, the bias gradient as a sum.
+Reference (any device, pure torch), in ``[B, T, D]`` (free for channel-last x):
+  forward  = the boundary-blind conv over all B*T tokens as one row (W multiply-adds, or for large inputs
+             one NHWC depthwise ``conv2d``: oneDNN's kernel on CPU), then the rows fewer than W-1 tokens
+             after a document or row start (the only rows a tap can leak into) recomputed exactly from
+             gathered, masked taps;
+  backward = dx the same way (a valid conv with the flipped kernel, then the rows fewer than W-1 tokens
+             before a document end recomputed), dweight as W dot products over tokens minus the few pairs
+             that cross a start, dbias as a sum.
 The silu activation is fused: its input (the conv output) is recomputed in the backward, as the CUDA kernel
-does, so nothing but the inputs is saved. The boundary rows are found with one ``nonzero`` per call inside
-the op body (opaque to the compiler; free on CPU, one sync on a CUDA device that lacks causal-conv1d).
+does, so only the inputs are saved. The boundary rows are found with ``nonzero`` inside the op body (opaque
+to the compiler; free on CPU, a sync on a CUDA device without causal-conv1d, where cuDNN's TF32 setting
+also applies to the plain conv).
 
 CUDA: causal-conv1d (read at v1.6.1, commit 0d2252d; the ``cpp_functions`` module exists since v1.5.1).
 Forward ``causal_conv1d.causal_conv1d_fn(x, weight, bias, seq_idx=, activation=)``; backward the function its
@@ -158,11 +162,10 @@ def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
 def reference_forward(x, weight, bias, seq_idx, silu: bool) -> torch.Tensor:
     """The op's forward in pure torch; returns ``[B, D, T]`` channel-last in x's dtype."""
     dtype = _compute_dtype(weight)
-    x_BTD = x.transpose(1, 2).to(dtype).contiguous()
-    w_WD = weight.t().to(dtype).contiguous()  # contiguous rows: a strided weight column costs 2x per tap
+    x_BTD = _as_BTD(x, dtype)
+    w_WD = weight.t().to(dtype).contiguous()  # contiguous rows for the boundary fix-ups
     bias_D = None if bias is None else bias.to(dtype)
-    seq_idx = seq_idx.to(x.device)
-    out_BTD = _conv_BTD(x_BTD, w_WD, bias_D, seq_idx)
+    out_BTD, _ = _conv_BTD(x_BTD, w_WD, bias_D, seq_idx.to(x.device))
     if silu:
         out_BTD = F.silu(out_BTD, inplace=True)
     return out_BTD.to(x.dtype).transpose(1, 2)
@@ -171,61 +174,147 @@ def reference_forward(x, weight, bias, seq_idx, silu: bool) -> torch.Tensor:
 def reference_backward(grad_out, x, weight, bias, seq_idx, silu: bool):
     """``(dx, dweight, dbias)`` with explicit formulas; dx is channel-last like the forward output."""
     dtype = _compute_dtype(weight)
-    x_BTD = x.transpose(1, 2).to(dtype).contiguous()
+    x_BTD = _as_BTD(x, dtype)
     w_WD = weight.t().to(dtype).contiguous()
     seq_idx = seq_idx.to(x.device)
-    grad_BTD = grad_out.transpose(1, 2).to(dtype).contiguous()
+    batch, seqlen, dim = x_BTD.shape
+    tokens, width = batch * seqlen, w_WD.shape[0]
     if silu:
-        bias_D = None if bias is None else bias.to(dtype)
-        # the conv output (silu's input) is recomputed rather than saved, as the CUDA kernel does
-        grad_BTD = torch.ops.aten.silu_backward(grad_BTD, _conv_BTD(x_BTD, w_WD, bias_D, seq_idx))
-    dx_BTD = _conv_transpose_BTD(grad_BTD, w_WD, seq_idx)
-    dweight = _weight_grad_WD(grad_BTD, x_BTD, seq_idx, w_WD.shape[0]).t().to(weight.dtype).contiguous()
+        # silu's input (the conv output) is recomputed rather than saved, as the CUDA kernel does. Its
+        # gradient overwrites it in place, and the buffer's W-1 spare rows become the zero padding the
+        # transposed conv needs: no fresh [B, T, D] buffer (each costs page faults on CPU).
+        pre_BTD, grad_padded_ND = _conv_BTD(x_BTD, w_WD, None if bias is None else bias.to(dtype), seq_idx)
+        torch.ops.aten.silu_backward.grad_input(_as_BTD(grad_out, dtype), pre_BTD, grad_input=pre_BTD)
+    else:
+        grad_padded_ND = x_BTD.new_empty((tokens + width - 1, dim))
+        _copy_into_BTD(grad_padded_ND[:tokens].view(batch, seqlen, dim), grad_out)
+    grad_padded_ND[tokens:].zero_()
+    grad_BTD = grad_padded_ND[:tokens].view(batch, seqlen, dim)
+    dx_BTD = _conv_transpose_BTD(grad_padded_ND, grad_BTD, w_WD, seq_idx)
+    dweight = _weight_grad_WD(grad_BTD, x_BTD, seq_idx, width)
     if bias is not None:
         dbias = grad_BTD.sum((0, 1)).to(bias.dtype)
     else:
         dbias = weight.new_zeros(weight.shape[0])
-    return dx_BTD.to(x.dtype).transpose(1, 2), dweight, dbias
+    return dx_BTD.to(x.dtype).transpose(1, 2), dweight.t().to(weight.dtype).contiguous(), dbias
+
+
+def _as_BTD(t_BDT: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, D, T]`` as a contiguous ``[B, T, D]`` in ``dtype``: a free view for channel-last input."""
+    t_BTD = t_BDT.transpose(1, 2)
+    if t_BTD.is_contiguous() and t_BDT.dtype == dtype:
+        return t_BTD
+    return _copy_into_BTD(t_BTD.new_empty(t_BTD.shape, dtype=dtype), t_BDT)
+
+
+def _copy_into_BTD(dst_BTD: torch.Tensor, src_BDT: torch.Tensor) -> torch.Tensor:
+    """Copy ``[B, D, T]`` into a contiguous ``[B, T, D]``.
+
+    A ``[B, D, T]``-contiguous source goes one row at a time: torch's 2-D transposing copy is blocked and
+    ~5x faster on CPU than the generic strided copy that a 3-D copy takes.
+    """
+    if src_BDT.is_contiguous() and src_BDT.dtype == dst_BTD.dtype:
+        for row in range(src_BDT.shape[0]):
+            dst_BTD[row].copy_(src_BDT[row].t())
+        return dst_BTD
+    return dst_BTD.copy_(src_BDT.transpose(1, 2))
 
 
 def _conv_BTD(x_BTD, w_WD, bias_D, seq_idx):
-    """Pre-activation output ``[B, T, D]``: plain causal conv, then the rows after each start recomputed."""
-    width, seqlen = w_WD.shape[0], x_BTD.shape[1]
-    # tap s (shift) multiplies x[t - s] by w_WD[W-1-s]; s = 0 never leaves the token's document
-    if bias_D is None:
-        out_BTD = x_BTD * w_WD[width - 1]
-    else:
-        out_BTD = torch.addcmul(bias_D, x_BTD, w_WD[width - 1])
-    for shift in range(1, min(width, seqlen)):
-        out_BTD[:, shift:].addcmul_(x_BTD[:, :-shift], w_WD[width - 1 - shift])
+    """Pre-activation output ``[B, T, D]`` (plain causal conv, then the rows after each start recomputed),
+    and the ``[B*T + W-1, D]`` buffer it is the head of (its W-1 spare rows hold junk)."""
+    batch, seqlen, dim = x_BTD.shape
+    width = w_WD.shape[0]
+    padded_ND = _plain_causal_conv(x_BTD.view(batch * seqlen, dim), w_WD, bias_D)
+    out_BTD = padded_ND[: batch * seqlen].view(batch, seqlen, dim)
     rows_b, rows_t = _rows_after_start(seq_idx, width)
-    taps_nWD = _gather_taps(x_BTD, seq_idx, rows_b, rows_t, -torch.arange(width, device=x_BTD.device), keep_same=True)
+    offsets_W = -torch.arange(width, device=x_BTD.device)
+    taps_nWD = _gather_taps(x_BTD, seq_idx, rows_b, rows_t, offsets_W, keep_same=True)
     fixed_nD = (taps_nWD * w_WD.flip(0)).sum(1)
     if bias_D is not None:
         fixed_nD += bias_D
     out_BTD[rows_b, rows_t] = fixed_nD
-    return out_BTD
+    return out_BTD, padded_ND
 
 
-def _conv_transpose_BTD(grad_BTD, w_WD, seq_idx):
-    """dx ``[B, T, D]``: plain transposed conv, then the rows before each document end recomputed."""
-    width, seqlen = w_WD.shape[0], grad_BTD.shape[1]
-    dx_BTD = grad_BTD * w_WD[width - 1]
-    for shift in range(1, min(width, seqlen)):
-        dx_BTD[:, :-shift].addcmul_(grad_BTD[:, shift:], w_WD[width - 1 - shift])
+def _conv_transpose_BTD(grad_padded_ND, grad_BTD, w_WD, seq_idx):
+    """dx ``[B, T, D]``: plain transposed conv over ``grad_padded_ND`` (the gradient followed by W-1 zero
+    rows), then the rows before each document end recomputed."""
+    batch, seqlen, dim = grad_BTD.shape
+    width = w_WD.shape[0]
+    dx_BTD = _plain_anti_causal_conv(grad_padded_ND, w_WD).view(batch, seqlen, dim)
     rows_b, rows_t = _rows_before_end(seq_idx, width)
-    taps_nWD = _gather_taps(grad_BTD, seq_idx, rows_b, rows_t, torch.arange(width, device=grad_BTD.device), True)
+    offsets_W = torch.arange(width, device=grad_BTD.device)
+    taps_nWD = _gather_taps(grad_BTD, seq_idx, rows_b, rows_t, offsets_W, keep_same=True)
     dx_BTD[rows_b, rows_t] = (taps_nWD * w_WD.flip(0)).sum(1)
     return dx_BTD
+
+
+# From this many elements (B*T*D) on, the boundary-blind conv runs as one NHWC depthwise conv2d (oneDNN on
+# CPU: ~2x the W multiply-adds at T=2048, D=1024). Below it, W multiply-adds: oneDNN opens an OpenMP region
+# even for tiny inputs, which costs up to ~100x on a loaded 2-core machine, whereas elementwise ops under
+# torch's grain size stay on one thread.
+CONV2D_MIN_ELEMENTS = 1 << 19
+
+
+def _plain_causal_conv(x_ND, w_WD, bias_D):
+    """Boundary-blind causal conv of N tokens as one row, ``out[t] = b + sum_s w[W-1-s] * x[t-s]``, in rows
+    ``[0, N)`` of a fresh ``[N + W-1, D]`` buffer (the spare rows hold junk). Taps that cross a row or
+    document start are wrong here; the caller overwrites those rows."""
+    tokens, dim = x_ND.shape
+    width = w_WD.shape[0]
+    if x_ND.numel() >= CONV2D_MIN_ELEMENTS:
+        # [N, D] contiguous is the NHWC memory of [1, D, 1, N]
+        kernel = w_WD.t().reshape(dim, 1, 1, width)
+        out = F.conv2d(_as_nchw(x_ND), kernel, bias_D, padding=(0, width - 1), groups=dim)
+        return _nhwc_rows(out)
+    padded_ND = x_ND.new_empty((tokens + width - 1, dim))
+    out_ND = padded_ND[:tokens]
+    if bias_D is None:
+        torch.mul(x_ND, w_WD[width - 1], out=out_ND)
+    else:
+        torch.addcmul(bias_D, x_ND, w_WD[width - 1], out=out_ND)
+    for shift in range(1, min(width, tokens)):
+        out_ND[shift:].addcmul_(x_ND[:-shift], w_WD[width - 1 - shift])
+    return padded_ND
+
+
+def _plain_anti_causal_conv(grad_padded_ND, w_WD):
+    """``dx[t] = sum_s w[W-1-s] * grad[t+s]`` for the N = rows - (W-1) tokens of ``grad_padded_ND`` (whose
+    last W-1 rows are zeros), boundary-blind, as a fresh ``[N, D]``."""
+    rows, dim = grad_padded_ND.shape
+    width = w_WD.shape[0]
+    tokens = rows - (width - 1)
+    if tokens * dim >= CONV2D_MIN_ELEMENTS:
+        # a valid (unpadded) conv with the flipped kernel
+        kernel = w_WD.flip(0).t().reshape(dim, 1, 1, width)
+        return _nhwc_rows(F.conv2d(_as_nchw(grad_padded_ND), kernel, groups=dim))
+    dx_ND = torch.mul(grad_padded_ND[:tokens], w_WD[width - 1])
+    for shift in range(1, width):
+        dx_ND.addcmul_(grad_padded_ND[shift : shift + tokens], w_WD[width - 1 - shift])
+    return dx_ND
+
+
+def _as_nchw(rows_ND: torch.Tensor) -> torch.Tensor:
+    """``[N, D]`` rows as the ``[1, D, 1, N]`` NHWC (channels-last) view a depthwise conv2d takes."""
+    return rows_ND[None].permute(0, 2, 1).unsqueeze(2)  # strides (N*D, 1, N*D, D): what suggests NHWC
+
+
+def _nhwc_rows(out_NCHW: torch.Tensor) -> torch.Tensor:
+    """A depthwise conv2d output ``[1, D, 1, L]`` as ``[L, D]`` rows: a view when the conv returned NHWC
+    (oneDNN and cuDNN do for NHWC input), a copy otherwise (float64 on CPU)."""
+    return out_NCHW.permute(0, 2, 3, 1).reshape(-1, out_NCHW.shape[1]).contiguous()
 
 
 def _weight_grad_WD(grad_BTD, x_BTD, seq_idx, width: int):
     """dweight as ``[W, D]``: W plain dot products over tokens, minus the few pairs that cross a start."""
     seqlen = x_BTD.shape[1]
+    scratch_BTD = torch.empty_like(grad_BTD)  # one buffer for all W products: fresh buffers cost page faults
     per_shift = []
     for shift in range(width):
         if shift < seqlen:
-            per_shift.append((grad_BTD[:, shift:] * x_BTD[:, : seqlen - shift]).sum((0, 1)))
+            product = torch.mul(grad_BTD[:, shift:], x_BTD[:, : seqlen - shift], out=scratch_BTD[:, shift:])
+            per_shift.append(product.sum((0, 1)))
         else:
             per_shift.append(x_BTD.new_zeros(x_BTD.shape[2]))
     rows_b, rows_t = _rows_after_start(seq_idx, width)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import types
+from unittest import mock
 
 import pytest
 import torch
@@ -59,47 +60,88 @@ def assert_grads_close(got, want, atol=ATOL):
         assert_close(g, w, atol * max(1.0, w.abs().max().item()))
 
 
+def plain_conv(path):
+    """Force the reference's boundary-blind conv onto one implementation (the default picks by size)."""
+    threshold = {"conv2d": 0, "multiply_adds": 1 << 62}[path]
+    return mock.patch.object(conv_module, "CONV2D_MIN_ELEMENTS", threshold)
+
+
+PLAIN_CONVS = ["multiply_adds", "conv2d"]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # packed == per document
 
 
-@given(lengths=doc_lengths(), width=st.sampled_from([2, 3, 4]), activation=st.sampled_from([None, "silu"]))
-def test_packed_equals_documents_alone(lengths, width, activation):
+@given(
+    lengths=doc_lengths(),
+    width=st.sampled_from([2, 3, 4]),
+    activation=st.sampled_from([None, "silu"]),
+    path=st.sampled_from(PLAIN_CONVS),
+)
+def test_packed_equals_documents_alone(lengths, width, activation, path):
     x, weight, bias = make_inputs(lengths, width=width)
     seq_idx = seq_idx_of(lengths)
-    out = causal_conv1d_varlen(x, weight, bias, seq_idx, activation)
+    with plain_conv(path):
+        out = causal_conv1d_varlen(x, weight, bias, seq_idx, activation)
     expected = per_document(x, weight, bias, lengths, activation)
     assert_close(out, expected)
     grad_out = torch.randn_like(expected)
-    assert_grads_close(grads_of(out, (x, weight, bias), grad_out), grads_of(expected, (x, weight, bias), grad_out))
+    with plain_conv(path):
+        grads = grads_of(out, (x, weight, bias), grad_out)
+    assert_grads_close(grads, grads_of(expected, (x, weight, bias), grad_out))
 
 
+@pytest.mark.parametrize("path", PLAIN_CONVS)
 @pytest.mark.parametrize("activation", [None, "silu", "swish"])
 @pytest.mark.parametrize(
     "lengths",
     [[1], [1, 1, 1, 1, 1], [2, 1, 3, 1, 9], [3, 3, 3], [1, 20], [20, 1], [4, 4, 1, 2, 5]],
     ids=["one-token", "all-one-token", "shorter-than-W", "W-1", "1-then-long", "long-then-1", "mixed"],
 )
-def test_short_documents(lengths, activation):
-    """1-token documents and documents shorter than W never see a previous document's taps."""
+def test_short_documents(lengths, activation, path):
+    """1-token documents and documents shorter than W never see a previous document's taps (float64)."""
     x, weight, bias = make_inputs(lengths, width=4, dtype=torch.float64)
-    out = causal_conv1d_varlen(x, weight, bias, seq_idx_of(lengths), activation)
-    expected = per_document(x, weight, bias, lengths, "silu" if activation else None)
-    assert_close(out, expected, atol=1e-12)
-    grad_out = torch.randn_like(expected)
-    assert_grads_close(grads_of(out, (x, weight, bias), grad_out), grads_of(expected, (x, weight, bias), grad_out), atol=1e-12)
+    with plain_conv(path):
+        out = causal_conv1d_varlen(x, weight, bias, seq_idx_of(lengths), activation)
+        expected = per_document(x, weight, bias, lengths, "silu" if activation else None)
+        assert_close(out, expected, atol=1e-12)
+        grad_out = torch.randn_like(expected)
+        got, want = grads_of(out, (x, weight, bias), grad_out), grads_of(expected, (x, weight, bias), grad_out)
+    assert_grads_close(got, want, atol=1e-12)
 
 
-def test_rows_are_independent_with_global_ids():
+@pytest.mark.parametrize("path", PLAIN_CONVS)
+def test_rows_are_independent_with_global_ids(path):
     """B > 1: every row starts a document, even when its first id continues the previous row's last id."""
     rows = [[3, 5, 1], [2, 7]]  # 9 tokens each
     seq_idx = torch.tensor([[0] * 3 + [1] * 5 + [2], [2] * 2 + [3] * 7], dtype=torch.int32)  # id 2 spans both rows
     x, weight, bias = make_inputs([9], batch=2, width=3)
-    out = causal_conv1d_varlen(x, weight, bias, seq_idx, "silu")
+    with plain_conv(path):
+        out = causal_conv1d_varlen(x, weight, bias, seq_idx, "silu")
+        grad_out = torch.randn_like(out)
+        got = grads_of(out, (x, weight, bias), grad_out)
     expected = torch.cat([per_document(x[i : i + 1], weight, bias, rows[i], "silu") for i in range(2)])
     assert_close(out, expected)
-    grad_out = torch.randn_like(expected)
-    assert_grads_close(grads_of(out, (x, weight, bias), grad_out), grads_of(expected, (x, weight, bias), grad_out))
+    assert_grads_close(got, grads_of(expected, (x, weight, bias), grad_out))
+
+
+@pytest.mark.parametrize("activation", [None, "silu"])
+def test_plain_conv_paths_agree_at_model_size(activation):
+    """At a real layer size the default picks conv2d; the multiply-adds agree with it (fp32, B = 2)."""
+    lengths = [100, 1, 3, 200, 40]
+    x, weight, bias = make_inputs(lengths, batch=2, dim=1024)
+    seq_idx = seq_idx_of(lengths).expand(2, -1)
+    assert x.numel() >= conv_module.CONV2D_MIN_ELEMENTS
+    grad_out = torch.randn(2, sum(lengths), 1024).transpose(1, 2)
+    results = {}
+    for path in PLAIN_CONVS:
+        with plain_conv(path):
+            out = causal_conv1d_varlen(x, weight, bias, seq_idx, activation)
+            results[path] = (out, *grads_of(out, (x, weight, bias), grad_out))
+    (out_a, *grads_a), (out_b, *grads_b) = results.values()
+    assert_close(out_a, out_b)
+    assert_grads_close(grads_a, grads_b)
 
 
 def test_without_bias_weight_and_x_grads():
@@ -116,7 +158,11 @@ def test_gradcheck_float64():
     lengths = [3, 1, 5]
     x, weight, bias = make_inputs(lengths, width=3, dtype=torch.float64)
     seq_idx = seq_idx_of(lengths)
-    assert torch.autograd.gradcheck(lambda *a: causal_conv1d_varlen(*a, seq_idx, "silu"), (x, weight, bias))
+
+    def conv(x, weight, bias):
+        return causal_conv1d_varlen(x, weight, bias, seq_idx, "silu")
+
+    assert torch.autograd.gradcheck(conv, (x, weight, bias), fast_mode=True)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -189,7 +235,8 @@ PACKINGS = [[1], [2, 1, 5], [9, 1, 1, 3], [4] * 4]
 def test_opcheck_forward(lengths, with_bias):
     x, weight, bias = make_inputs(lengths, batch=2, bias=with_bias)
     seq_idx = seq_idx_of(lengths).expand(2, -1).contiguous()
-    torch.library.opcheck(torch.ops.compilepack.causal_conv1d_varlen.default, (x, weight, bias, seq_idx, True, "reference"))
+    args = (x, weight, bias, seq_idx, True, "reference")
+    torch.library.opcheck(torch.ops.compilepack.causal_conv1d_varlen.default, args)
 
 
 @pytest.mark.parametrize("lengths", PACKINGS)
@@ -246,7 +293,8 @@ def test_aot_eager_forward_backward_matches_eager():
     eager = conv_silu(x, weight, bias, seq_idx)
     assert out.stride() == eager.stride()
     assert_close(out, eager, atol=0.0)
-    assert_grads_close(grads_of(out, (x, weight, bias), grad_out), grads_of(eager, (x, weight, bias), grad_out), atol=0.0)
+    inputs = (x, weight, bias)
+    assert_grads_close(grads_of(out, inputs, grad_out), grads_of(eager, inputs, grad_out), atol=0.0)
 
 
 # ---------------------------------------------------------------------------------------------------------
