@@ -5,5 +5,14 @@ library chosen at ``patch()`` time. Importing this package registers the ops; it
 """
 
 from .attention import varlen_attention
+from .causal_conv1d import causal_conv1d_varlen
+from .gated_delta_rule import gated_delta_rule_varlen
+from .mamba2 import mamba2_chunk_scan_varlen, mamba2_split_conv1d_scan_varlen
 
-__all__ = ["varlen_attention"]
+__all__ = [
+    "causal_conv1d_varlen",
+    "gated_delta_rule_varlen",
+    "mamba2_chunk_scan_varlen",
+    "mamba2_split_conv1d_scan_varlen",
+    "varlen_attention",
+]
