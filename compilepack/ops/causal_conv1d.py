@@ -115,16 +115,21 @@ def _backward_op(
     bias: torch.Tensor | None,
     seq_idx: torch.Tensor,
     silu: bool,
+    weight_grads: bool,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns ``(dx, dweight, dbias)``; dbias is zeros when bias is None (custom ops cannot return None)."""
+    """Returns ``(dx, dweight, dbias)``; dbias is zeros when bias is None (custom ops cannot return None).
+
+    ``weight_grads=False`` (frozen conv, e.g. LoRA elsewhere) lets the reference skip dweight and dbias
+    (zeros then); the kernel computes them in the same pass anyway.
+    """
     if backends.use_kernel(x, backend) and _kernel_supports(x, weight):
         return _kernel_backward(grad_out, x, weight, bias, seq_idx, silu)
-    return reference_backward(grad_out, x, weight, bias, seq_idx, silu)
+    return reference_backward(grad_out, x, weight, bias, seq_idx, silu, weight_grads)
 
 
 @_backward_op.register_fake
-def _backward_fake(grad_out, x, weight, bias, seq_idx, silu, backend):
+def _backward_fake(grad_out, x, weight, bias, seq_idx, silu, weight_grads, backend):
     dbias = (bias if bias is not None else weight).new_empty((weight.shape[0],))
     return _channel_last_empty(x, x.dtype), weight.new_empty(weight.shape), dbias
 
@@ -137,7 +142,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out):
     x, weight, bias, seq_idx = ctx.saved_tensors
-    dx, dweight, dbias = _backward_op(grad_out, x, weight, bias, seq_idx, ctx.silu, ctx.backend)
+    weight_grads = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+    dx, dweight, dbias = _backward_op(grad_out, x, weight, bias, seq_idx, ctx.silu, weight_grads, ctx.backend)
     return dx, dweight, (dbias if bias is not None else None), None, None, None
 
 
@@ -171,8 +177,9 @@ def reference_forward(x, weight, bias, seq_idx, silu: bool) -> torch.Tensor:
     return out_BTD.to(x.dtype).transpose(1, 2)
 
 
-def reference_backward(grad_out, x, weight, bias, seq_idx, silu: bool):
-    """``(dx, dweight, dbias)`` with explicit formulas; dx is channel-last like the forward output."""
+def reference_backward(grad_out, x, weight, bias, seq_idx, silu: bool, weight_grads: bool = True):
+    """``(dx, dweight, dbias)`` with explicit formulas; dx is channel-last like the forward output.
+    Without ``weight_grads`` dweight and dbias are zeros (not computed)."""
     dtype = _compute_dtype(weight)
     x_BTD = _as_BTD(x, dtype)
     w_WD = weight.t().to(dtype).contiguous()
@@ -191,12 +198,13 @@ def reference_backward(grad_out, x, weight, bias, seq_idx, silu: bool):
     grad_padded_ND[tokens:].zero_()
     grad_BTD = grad_padded_ND[:tokens].view(batch, seqlen, dim)
     dx_BTD = _conv_transpose_BTD(grad_padded_ND, grad_BTD, w_WD, seq_idx)
-    dweight = _weight_grad_WD(grad_BTD, x_BTD, seq_idx, width)
-    if bias is not None:
-        dbias = grad_BTD.sum((0, 1)).to(bias.dtype)
-    else:
-        dbias = weight.new_zeros(weight.shape[0])
-    return dx_BTD.to(x.dtype).transpose(1, 2), dweight.t().to(weight.dtype).contiguous(), dbias
+    dweight = torch.zeros_like(weight, memory_format=torch.contiguous_format)
+    dbias = (bias if bias is not None else weight).new_zeros(dim)
+    if weight_grads:
+        dweight.copy_(_weight_grad_WD(grad_BTD, x_BTD, seq_idx, width).t())
+        if bias is not None:
+            dbias.copy_(grad_BTD.sum((0, 1)))
+    return dx_BTD.to(x.dtype).transpose(1, 2), dweight, dbias
 
 
 def _as_BTD(t_BDT: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -154,6 +154,17 @@ def test_without_bias_weight_and_x_grads():
     assert_grads_close(grads_of(out, (x, weight), grad_out), grads_of(expected, (x, weight), grad_out))
 
 
+def test_frozen_conv_weights_x_grad_only():
+    """A frozen conv (weight and bias without grad) still gives the exact x gradient."""
+    lengths = [6, 1, 2, 9]
+    x, weight, bias = make_inputs(lengths)
+    weight, bias = weight.detach(), bias.detach()
+    out = causal_conv1d_varlen(x, weight, bias, seq_idx_of(lengths), "silu")
+    expected = per_document(x, weight, bias, lengths, "silu")
+    grad_out = torch.randn_like(expected)
+    assert_close(grads_of(out, (x,), grad_out)[0], grads_of(expected, (x,), grad_out)[0])
+
+
 def test_gradcheck_float64():
     lengths = [3, 1, 5]
     x, weight, bias = make_inputs(lengths, width=3, dtype=torch.float64)
@@ -240,14 +251,14 @@ def test_opcheck_forward(lengths, with_bias):
 
 
 @pytest.mark.parametrize("lengths", PACKINGS)
-@pytest.mark.parametrize("silu", [True, False])
-def test_opcheck_backward(lengths, silu):
+@pytest.mark.parametrize("silu, weight_grads", [(True, True), (False, True), (True, False)])
+def test_opcheck_backward(lengths, silu, weight_grads):
     x, weight, bias = (t.detach() for t in make_inputs(lengths, batch=2))
     seq_idx = seq_idx_of(lengths).expand(2, -1).contiguous()
     grad_out = torch.randn(2, sum(lengths), DIM).transpose(1, 2)
     torch.library.opcheck(
         torch.ops.compilepack.causal_conv1d_varlen_backward.default,
-        (grad_out, x, weight, bias, seq_idx, silu, "reference"),
+        (grad_out, x, weight, bias, seq_idx, silu, weight_grads, "reference"),
     )
 
 
