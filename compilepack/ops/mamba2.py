@@ -674,8 +674,8 @@ def _split_fwd_op(
     backend: str,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Returns ``(out, saved)``. Saved for the backward: on the kernel path what mamba-ssm's autograd Function
-    saves beyond the inputs (``out_x``, ``rstd``); on the reference path the scan output and what the scan
-    saves (chunk states, end states, intra-chunk decay)."""
+    saves beyond the inputs (``out_x``, ``rstd``); on the reference path the scan output, the conv output
+    before its activation and what the scan saves (chunk states, end states, intra-chunk decay)."""
     args = (zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, seq_idx, rmsnorm_weight, outproj_weight,
             outproj_bias, chunk_size, dt_min, dt_max, activation, rmsnorm_eps, headdim, ngroups, norm_before_gate)
     if backends.use_kernel(zxbcdt, backend):
@@ -694,8 +694,9 @@ def _(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, seq_idx, rmsnorm_weight
         rstd_shape = (ngroups * dims.batch * dims.total,) if rmsnorm_weight is not None else EMPTY
         return out, [zxbcdt.new_empty(scan_shape), zxbcdt.new_empty(rstd_shape, dtype=torch.float32)]
     y = zxbcdt.new_empty(scan_shape, dtype=_compute_dtype(zxbcdt))
-    return out, [y, *_fake_saved_states(zxbcdt, dims.batch, dims.total, dims.heads, headdim, dims.state_size,
-                                        chunk_size)]
+    pre = zxbcdt.new_empty(dims.batch, dims.total, dims.conv_dim, dtype=conv1d_weight.dtype)
+    return out, [y, pre, *_fake_saved_states(zxbcdt, dims.batch, dims.total, dims.heads, headdim,
+                                             dims.state_size, chunk_size)]
 
 
 @torch.library.custom_op("compilepack::mamba2_split_conv1d_scan_varlen_backward", mutates_args=())
@@ -776,47 +777,33 @@ def _silu_grad(u: torch.Tensor) -> torch.Tensor:
     return sig * (1 + u * (1 - sig))
 
 
-def _shift_time(t: torch.Tensor, shift: int) -> torch.Tensor:
-    """``out[:, i] = t[:, i - shift]`` (zero where ``i < shift``), for any ``shift >= 0``."""
-    return F.pad(t, (0, 0, shift, 0))[:, : t.shape[1]]
-
-
-def _unshift_time(t: torch.Tensor, shift: int) -> torch.Tensor:
-    """Transpose of :func:`_shift_time`: ``out[:, i] = t[:, i + shift]`` (zero past the end)."""
-    return F.pad(t, (0, 0, 0, shift))[:, shift:]
-
-
 def _conv_taps_keep(seq_idx: torch.Tensor, width: int) -> list[torch.Tensor]:
-    """``keep[s] [b, T, 1]``: True where the tap ``s`` tokens back lies in the same document (s = 1..width-1)."""
-    positions = torch.arange(seq_idx.shape[1], device=seq_idx.device)
-    keep = []
-    for shift in range(1, width):
-        same = _shift_time(seq_idx[..., None], shift) == seq_idx[..., None]
-        keep.append(same & (positions >= shift)[None, :, None])
-    return keep
+    """``keep[s - 1] [b, T - s, 1]`` for taps ``s = 1 .. width - 1``: True where token ``t >= s`` and the token
+    ``s`` back belong to the same document."""
+    return [(seq_idx[:, shift:] == seq_idx[:, :-shift])[..., None] for shift in range(1, width)]
 
 
 def _conv_forward(xBC, weight, bias, keep):
-    """Depthwise causal conv as shifted multiplies, each tap zeroed where it would reach into the previous
+    """Depthwise causal conv as shifted multiply-adds, each tap zeroed where it would reach into the previous
     document (pre-activation, in the weight's dtype as transformers' ``causal_conv1d_fn``)."""
     x = xBC.to(weight.dtype)
     width = weight.shape[1]
-    out = x * weight[:, width - 1]
+    out = x * weight[:, -1] if bias is None else torch.addcmul(bias.to(weight.dtype), x, weight[:, -1])
     for shift in range(1, width):
-        out = out + _shift_time(x, shift) * keep[shift - 1] * weight[:, width - 1 - shift]
-    return out if bias is None else out + bias
+        out[:, shift:].addcmul_(x[:, :-shift] * keep[shift - 1], weight[:, width - 1 - shift])
+    return out
 
 
 def _conv_backward(d_pre, xBC, weight, keep):
     """``(d_xBC, d_weight, d_bias)`` of :func:`_conv_forward`."""
     x = xBC.to(weight.dtype)
     width = weight.shape[1]
-    d_x = d_pre * weight[:, width - 1]
+    d_x = d_pre * weight[:, -1]
     d_weight = [(d_pre * x).sum((0, 1))]
     for shift in range(1, width):
-        d_kept = d_pre * keep[shift - 1]
-        d_x = d_x + _unshift_time(d_kept * weight[:, width - 1 - shift], shift)
-        d_weight.append((d_kept * _shift_time(x, shift)).sum((0, 1)))
+        d_kept = d_pre[:, shift:] * keep[shift - 1]
+        d_x[:, :-shift].addcmul_(d_kept, weight[:, width - 1 - shift])
+        d_weight.append((d_kept * x[:, :-shift]).sum((0, 1)))
     return d_x, torch.stack(d_weight[::-1], dim=1), d_pre.sum((0, 1))
 
 
@@ -866,16 +853,15 @@ def _reference_split_forward(zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, 
                              headdim, ngroups, norm_before_gate):
     dims = _SplitDims(zxbcdt, conv1d_weight, A, headdim, ngroups)
     z, xBC, dt = dims.split_input(zxbcdt)
-    keep = _conv_taps_keep(seq_idx, conv1d_weight.shape[1])
-    xBC = _activate(_conv_forward(xBC, conv1d_weight, conv1d_bias, keep), activation).to(zxbcdt.dtype)
-    x, B, C = dims.split_conv_output(xBC)
+    pre = _conv_forward(xBC, conv1d_weight, conv1d_bias, _conv_taps_keep(seq_idx, conv1d_weight.shape[1]))
+    x, B, C = dims.split_conv_output(_activate(pre, activation).to(zxbcdt.dtype))
     y, scan_saved = _reference_scan_forward(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, True, dt_min, dt_max)
     out, _normed, _rstd = _gated_norm_forward(y.flatten(2), z, rmsnorm_weight, rmsnorm_eps, ngroups,
                                               norm_before_gate)
     out = out.to(zxbcdt.dtype)
     if outproj_weight is not None:
         out = F.linear(out, outproj_weight.to(out.dtype), _cast(outproj_bias, out.dtype))
-    return out, [y, *scan_saved]
+    return out, [y, pre, *scan_saved]
 
 
 def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -885,13 +871,12 @@ def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
 def _reference_split_backward(grad_out, saved, zxbcdt, conv1d_weight, conv1d_bias, dt_bias, A, D, seq_idx,
                               rmsnorm_weight, outproj_weight, outproj_bias, chunk_size, dt_min, dt_max, activation,
                               rmsnorm_eps, headdim, ngroups, norm_before_gate):
-    """Explicit backward of the composed pieces; the conv and the norm (cheap, elementwise) are recomputed, the
-    scan's states come from the forward."""
-    y, *scan_saved = saved
+    """Explicit backward of the composed pieces. The forward saved the scan output ``y``, the conv output before
+    its activation and the scan's states; the norm (cheap, elementwise) is recomputed."""
+    y, pre, *scan_saved = saved
     dims = _SplitDims(zxbcdt, conv1d_weight, A, headdim, ngroups)
     z, xBC_in, dt = dims.split_input(zxbcdt)
     keep = _conv_taps_keep(seq_idx, conv1d_weight.shape[1])
-    pre = _conv_forward(xBC_in, conv1d_weight, conv1d_bias, keep)
     x, B, C = dims.split_conv_output(_activate(pre, activation).to(zxbcdt.dtype))
     gated, normed, rstd = _gated_norm_forward(y.flatten(2), z, rmsnorm_weight, rmsnorm_eps, ngroups,
                                               norm_before_gate)
