@@ -1,0 +1,126 @@
+"""The benchmark's documents: byte-level text from Python's own stdlib, long-tailed lengths, and the batches
+every mode builds from the same documents.
+
+No downloads: the text is the installed stdlib's ``.py`` sources (code and docstrings), read in a fixed order
+and encoded as bytes, so token ids fit the bench configs' vocabulary of 256. Document lengths are lognormal,
+clipped to ``[min_len, max_len]``: many short samples and a long tail, like an SFT mix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import pathlib
+import random
+import sysconfig
+
+import torch
+from transformers import DataCollatorWithFlattening
+
+from ..collator import PackedCollator
+
+IGNORE_INDEX = -100
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthMix:
+    """Lognormal document lengths clipped to [min_len, max_len] (median ``exp(mu)``)."""
+
+    mu: float = 4.5  # median ~90 tokens, mean ~146: ~82% padding in arrival-order batches of ~8k tokens
+    sigma: float = 1.0
+    min_len: int = 8
+    max_len: int = 1024
+
+    def sample(self, count: int, seed: int) -> list[int]:
+        generator = random.Random(seed)
+        return [self._clip(generator.lognormvariate(self.mu, self.sigma)) for _ in range(count)]
+
+    def _clip(self, value: float) -> int:
+        return max(self.min_len, min(self.max_len, int(round(value))))
+
+
+@functools.cache
+def stdlib_corpus(min_bytes: int = 4_000_000) -> bytes:
+    """Stdlib sources concatenated in sorted path order, until ``min_bytes`` (deterministic per Python)."""
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    chunks, size = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if "site-packages" in path.parts or "test" in path.parts:
+            continue
+        chunks.append(path.read_bytes())
+        size += len(chunks[-1])
+        if size >= min_bytes:
+            break
+    return b"\n".join(chunks)
+
+
+def documents(lengths: list[int], seed: int) -> list[list[int]]:
+    """One document per length: a slice of the corpus at a random offset, as byte token ids."""
+    corpus = stdlib_corpus()
+    generator = random.Random(seed + 1)
+    docs = []
+    for length in lengths:
+        start = generator.randrange(0, len(corpus) - length)
+        docs.append(list(corpus[start : start + length]))
+    return docs
+
+
+def steps_by_token_budget(docs: list[list[int]], tokens_per_step: int) -> list[list[list[int]]]:
+    """Consecutive documents (arrival order) grouped into steps of at most ``tokens_per_step`` real tokens."""
+    steps, current, used = [], [], 0
+    for doc in docs:
+        if current and used + len(doc) > tokens_per_step:
+            steps.append(current)
+            current, used = [], 0
+        current.append(doc)
+        used += len(doc)
+    if current:
+        steps.append(current)
+    return steps
+
+
+def grouped_by_length(steps: list[list[list[int]]], tokens_per_step: int) -> list[list[list[int]]]:
+    """HF Trainer's ``group_by_length``: the pool of these steps' documents sorted by length (longest first),
+    then cut into steps of the same real-token budget, so each padded batch holds similar lengths."""
+    pool = sorted((doc for step in steps for doc in step), key=len, reverse=True)
+    return steps_by_token_budget(pool, tokens_per_step)
+
+
+# ------------------------------------------------------------------------------------------------ batches
+
+
+def padded_batch(step: list[list[int]], multiple_of: int = 1, pad_token_id: int = 0) -> dict:
+    """Right-padded ``[B, L]`` batch as ``DataCollatorForLanguageModeling`` makes it: attention_mask 0 and
+    labels -100 on pads; ``L`` is the longest document, rounded up to ``multiple_of``."""
+    longest = max(len(doc) for doc in step)
+    length = math.ceil(longest / multiple_of) * multiple_of
+    input_ids = torch.full((len(step), length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(step), length), dtype=torch.long)
+    for row, doc in enumerate(step):
+        input_ids[row, : len(doc)] = torch.tensor(doc)
+        attention_mask[row, : len(doc)] = 1
+    labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+_HF_FLATTENING = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)
+
+
+def hf_packed_batch(step: list[list[int]]) -> dict:
+    """The HF collator's packed batch: one ``[1, T]`` row with every boundary kwarg."""
+    return _HF_FLATTENING([{"input_ids": doc} for doc in step])
+
+
+def position_ids_only(batch: dict) -> dict:
+    """A packed batch reduced to what stock models detect packing from: position_ids, no boundary kwargs."""
+    return {k: batch[k] for k in ("input_ids", "labels", "position_ids")}
+
+
+def fixed_shape_collator(steps: list[list[list[int]]], tokens_per_step: int) -> PackedCollator:
+    """A PackedCollator whose shape fits every step: one row of ``tokens_per_step`` tokens, room for the most
+    documents any step has (rounded up to 64, plus the padding document)."""
+    most_docs = max(len(step) for step in steps) + 1
+    return PackedCollator(
+        tokens_per_step, fixed_shape=True, rows=1, max_docs=math.ceil(most_docs / 64) * 64
+    )

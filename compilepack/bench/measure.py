@@ -1,0 +1,125 @@
+"""What a mode measures about itself: step times, compile counters, peak memory, logits against each document
+run alone."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import torch
+
+
+class PeakRss:
+    """Peak resident memory of this process above the RSS when it started, sampled by a background thread.
+
+    A thread, not ``ru_maxrss``: the mode runs in a child forked from a process that already holds torch and
+    transformers, and the peak of interest is what the mode itself adds (model, optimizer, activations, compile).
+    Compile worker processes are not included.
+    """
+
+    def __init__(self, interval_s: float = 0.005):
+        import psutil
+
+        self._process = psutil.Process()
+        self._interval_s = interval_s
+        self.baseline = self._process.memory_info().rss
+        self.peak = self.baseline
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._process.memory_info().rss)
+            self._stop.wait(self._interval_s)
+
+    def stop_mb(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._process.memory_info().rss)
+        return (self.peak - self.baseline) / 2**20
+
+
+def peak_memory_mb(device: torch.device, rss: PeakRss) -> float:
+    """Max allocated on CUDA, RSS above the mode's baseline elsewhere."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return rss.stop_mb()
+
+
+def synchronizer(device: torch.device):
+    """A function that waits for queued device work (so a timer measures it), or does nothing on CPU."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+class CompileCounters:
+    """dynamo's counters as deltas since construction: graphs compiled and graph breaks taken."""
+
+    def __init__(self):
+        from torch._dynamo.utils import counters
+
+        self._counters = counters
+        self._graphs0 = self.graphs_total()
+        self._breaks0 = self.breaks_total()
+
+    def graphs_total(self) -> int:
+        return int(self._counters["stats"]["unique_graphs"])
+
+    def breaks_total(self) -> int:
+        return int(sum(self._counters["graph_break"].values()))
+
+    @property
+    def graphs(self) -> int:
+        return self.graphs_total() - self._graphs0
+
+    @property
+    def breaks(self) -> int:
+        return self.breaks_total() - self._breaks0
+
+    def break_reasons(self, limit: int = 3) -> list[str]:
+        return [reason.strip().splitlines()[0][:200] for reason in list(self._counters["graph_break"])[:limit]]
+
+
+@contextlib.contextmanager
+def timed():
+    """``with timed() as t: ...`` then ``t()`` is the elapsed seconds."""
+    start = time.perf_counter()
+    end = None
+
+    def elapsed() -> float:
+        return (end if end is not None else time.perf_counter()) - start
+
+    try:
+        yield elapsed
+    finally:
+        end = time.perf_counter()
+
+
+def doc_spans(batch: dict, docs: list[list[int]]) -> list[tuple[int, int, int]]:
+    """(row, start, end) of each of ``docs`` inside ``batch``: row ``i`` of a padded batch, or wherever the
+    document's tokens sit in a packed batch (collators may reorder documents)."""
+    if "attention_mask" in batch:
+        return [(row, 0, len(doc)) for row, doc in enumerate(docs)]
+    flat = batch["input_ids"].reshape(-1).tolist()
+    cu = batch["cu_seq_lens_q"].tolist()
+    where = {tuple(flat[s:e]): s for s, e in zip(cu[:-1], cu[1:]) if e > s}
+    spans = []
+    for doc in docs:
+        start = where[tuple(doc)]
+        spans.append((0, start, start + len(doc)))
+    return spans
+
+
+def logits_alone(model: torch.nn.Module, docs: list[list[int]], device: torch.device) -> list[torch.Tensor]:
+    """Each document's logits when it is the whole batch: the ground truth a packed row must reproduce."""
+    with torch.no_grad():
+        return [model(input_ids=torch.tensor([doc], device=device), use_cache=False).logits[0].float() for doc in docs]
+
+
+def max_logit_diff(logits: torch.Tensor, spans, alone: list[torch.Tensor]) -> float:
+    """Largest |logit difference| between the documents inside a batch and the same documents run alone."""
+    logits = logits.detach().float()
+    return max((logits[row, s:e] - ref).abs().max().item() for (row, s, e), ref in zip(spans, alone))

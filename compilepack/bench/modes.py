@@ -1,0 +1,147 @@
+"""The benchmark's modes: how each one batches the same documents, and whether it patches and compiles.
+
+Every mode sees the same documents and the same real-token budget per step. The stock padded modes are what
+users run with HF Trainer (``attention_mask``, labels -100 on pads, ``use_cache=False``); the packed modes get
+the HF flattening collator's batch (``DataCollatorWithFlattening(return_flash_attn_kwargs=True,
+return_seq_idx=True)``) or compilepack's fixed-shape ``PackedCollator``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+from . import data
+
+EAGER, DYNAMIC, STATIC = None, "dynamic", "static"
+SHORT_WARMUP_TOKENS = 1024
+
+
+class Batch(NamedTuple):
+    tensors: dict
+    docs: list[list[int]]
+
+    @property
+    def real_tokens(self) -> int:
+        return sum(len(doc) for doc in self.docs)
+
+    @property
+    def shaped_tokens(self) -> int:
+        """Tokens the model computes on (padding included)."""
+        return self.tensors["input_ids"].numel()
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """The documents of a run: ``warmup_steps`` then ``steps`` steps of at most ``tokens_per_step`` real tokens."""
+
+    tokens_per_step: int = 8192
+    steps: int = 2
+    warmup_steps: int = 1
+    seed: int = 0
+    mix: data.LengthMix = data.LengthMix()
+
+    def arrival_steps(self) -> tuple[list, list]:
+        """(warm-up steps, timed steps), each a list of documents in arrival order."""
+        wanted = self.warmup_steps + self.steps
+        lengths, seed = [], self.seed
+        while sum(lengths) < (wanted + 1) * self.tokens_per_step:
+            lengths += self.mix.sample(256, seed)
+            seed += 1
+        steps = data.steps_by_token_budget(data.documents(lengths, self.seed), self.tokens_per_step)[:wanted]
+        return steps[: self.warmup_steps], steps[self.warmup_steps :]
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    name: str
+    description: str
+    layout: str  # how a step's documents become a batch: see ``_LAYOUTS``
+    patched: bool
+    compile: str | None  # None: eager; "dynamic": torch.compile(dynamic=True); "static": plain torch.compile
+
+    def batches(self, workload: Workload) -> tuple[list[Batch], list[Batch]]:
+        """(warm-up batches, timed batches). Eager modes warm up on a short batch (optimizer state, kernels);
+        compiled modes warm up on full steps, so the compile sees a real shape."""
+        warmup, timed = workload.arrival_steps()
+        if self.compile is EAGER:
+            warmup = [_first_tokens(step, SHORT_WARMUP_TOKENS) for step in warmup]
+        layout = _LAYOUTS[self.layout]
+        return layout(warmup, workload), layout(timed, workload)
+
+
+def _first_tokens(step: list[list[int]], budget: int) -> list[list[int]]:
+    return data.steps_by_token_budget(step, budget)[0]
+
+
+def _padded(steps, workload, multiple_of=1):
+    return [Batch(data.padded_batch(step, multiple_of), step) for step in steps]
+
+
+def _padded64(steps, workload):
+    return _padded(steps, workload, multiple_of=64)
+
+
+def _grouped(steps, workload):
+    return _padded(data.grouped_by_length(steps, workload.tokens_per_step), workload)
+
+
+def _hf_packed(steps, workload):
+    return [Batch(data.hf_packed_batch(step), step) for step in steps]
+
+
+def _fixed(steps, workload):
+    warmup, timed = workload.arrival_steps()
+    collate = data.fixed_shape_collator(warmup + timed, workload.tokens_per_step)
+    return [Batch(collate([{"input_ids": doc} for doc in step]), step) for step in steps]
+
+
+_LAYOUTS = {"padded": _padded, "padded64": _padded64, "grouped": _grouped, "hf_packed": _hf_packed, "fixed": _fixed}
+
+MODES = (
+    Mode(
+        "stock_padded_eager",
+        "stock model, batches right-padded to their longest sample in arrival order, eager",
+        "padded", patched=False, compile=EAGER,
+    ),
+    Mode(
+        "stock_padded_compiled",
+        "stock model, arrival-order batches padded to a multiple of 64, torch.compile(dynamic=True)",
+        "padded64", patched=False, compile=DYNAMIC,
+    ),
+    Mode(
+        "stock_grouped_eager",
+        "stock model, padded batches formed from the length-sorted pool (HF Trainer group_by_length), eager",
+        "grouped", patched=False, compile=EAGER,
+    ),
+    Mode(
+        "stock_packed",
+        "stock model given the HF flattening collator's packed batch, eager",
+        "hf_packed", patched=False, compile=EAGER,
+    ),
+    Mode(
+        "patched_packed_eager",
+        "compilepack.patch(model), HF flattening collator's packed batch, eager",
+        "hf_packed", patched=True, compile=EAGER,
+    ),
+    Mode(
+        "patched_packed_compiled",
+        "compilepack.patch(model), HF packed batch, torch.compile(fullgraph=True, dynamic=True)",
+        "hf_packed", patched=True, compile=DYNAMIC,
+    ),
+    Mode(
+        "patched_fixed_compiled",
+        "compilepack.patch(model), PackedCollator(fixed_shape=True) batches, torch.compile(fullgraph=True)",
+        "fixed", patched=True, compile=STATIC,
+    ),
+)
+
+MODE_NAMES = tuple(mode.name for mode in MODES)
+PADDED_MODES = ("stock_padded_eager", "stock_padded_compiled", "stock_grouped_eager")
+
+
+def mode_named(name: str) -> Mode:
+    for mode in MODES:
+        if mode.name == name:
+            return mode
+    raise ValueError(f"no benchmark mode {name!r}; modes: {', '.join(MODE_NAMES)}.")
