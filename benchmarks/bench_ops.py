@@ -1,0 +1,214 @@
+"""Op-level benchmark: each stock transformers function vs compilepack's op, on the same packed tokens.
+
+    python benchmarks/bench_ops.py                 # every module in benchmarks/ops/, CPU
+    python benchmarks/bench_ops.py --ops attention,causal_conv1d --T 4096 --n-docs 32
+
+A module in ``benchmarks/ops/`` exposes ``NAME`` and ``setup(T, n_docs, device, seed)`` returning ``{"stock": fn,
+"packed": fn, "inputs": [tensors requiring grad]}``; both functions return one tensor. Stock runs on the packed
+row as transformers would (ignoring boundaries, except attention, whose stock path builds a dense mask), so
+its figure is a cost baseline, not a correct alternative. Forward and forward+backward are timed with stock and
+packed alternating, so load from other processes hits both alike; a figure is the median over repeats after
+warm-up, the ratio the median of per-repeat ratios. Writes ``ops-<device>-<date>.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import pathlib
+import pkgutil
+import statistics
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script: make ``benchmarks`` and ``compilepack`` importable
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    _quiet_transformers()
+    rows = [_bench_op(module, args) for module in op_modules(args.ops)]
+    report = _report(args, rows)
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"ops-{args.device.split(':')[0]}-{datetime.date.today().isoformat()}"
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(markdown(report))
+    print(markdown(report))
+    print(f"wrote {out / stem}.json, .md")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ops", default="all", help="comma-separated op modules of benchmarks/ops (default: all)")
+    parser.add_argument("--T", type=int, default=2048, help="tokens in the packed row (default: 2048)")
+    parser.add_argument("--n-docs", type=int, default=16, help="documents in the row (default: 16)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=15, help="timed repeats per function (default: 15)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed repeats first (default: 3)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    return parser
+
+
+def op_modules(selection: str = "all") -> list:
+    """The modules of ``benchmarks/ops`` that expose NAME and setup, in name order (or the selected ones)."""
+    import benchmarks.ops as package
+
+    names = sorted(info.name for info in pkgutil.iter_modules(package.__path__) if not info.name.startswith("_"))
+    if selection != "all":
+        wanted = [name.strip() for name in selection.split(",") if name.strip()]
+        unknown = sorted(set(wanted) - set(names))
+        if unknown:
+            raise SystemExit(f"no op module {unknown} in benchmarks/ops; available: {', '.join(names)}")
+        names = wanted
+    modules = [importlib.import_module(f"{package.__name__}.{name}") for name in names]
+    return [m for m in modules if hasattr(m, "NAME") and hasattr(m, "setup")]
+
+
+# ------------------------------------------------------------------------------------------------ timing
+
+
+def _bench_op(module, args) -> dict:
+    row = {"op": module.NAME, "T": args.T, "n_docs": args.n_docs, "error": None}
+    try:
+        case = module.setup(T=args.T, n_docs=args.n_docs, device=args.device, seed=args.seed)
+        sync = _synchronizer(args.device)
+        grads = _output_grads(case, args.seed)
+        for pass_name, run in (("fwd", _forward), ("fwd+bwd", _forward_backward)):
+            row[pass_name] = _alternating(case, grads, run, sync, args.warmup, args.repeats)
+        row["max_abs_diff"] = _max_abs_diff(case)
+    except Exception as error:  # one op failing must not hide the others
+        row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+    print(_one_line(row), flush=True)
+    return row
+
+
+def _output_grads(case: dict, seed: int) -> dict:
+    """A fixed random output gradient per function (their outputs may differ in layout)."""
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        shapes = {name: case[name]() for name in ("stock", "packed")}
+    return {name: torch.randn(out.shape, generator=generator).to(out) for name, out in shapes.items()}
+
+
+def _forward(case, name, grads):
+    with torch.no_grad():
+        case[name]()
+
+
+def _forward_backward(case, name, grads):
+    for tensor in case["inputs"]:
+        tensor.grad = None
+    case[name]().backward(grads[name])
+
+
+def _alternating(case, grads, run, sync, warmup: int, repeats: int) -> dict:
+    times = {"stock": [], "packed": []}
+    for repeat in range(warmup + repeats):
+        for name in times:
+            sync()
+            start = time.perf_counter()
+            run(case, name, grads)
+            sync()
+            if repeat >= warmup:
+                times[name].append((time.perf_counter() - start) * 1e3)
+    stock_ms, packed_ms = statistics.median(times["stock"]), statistics.median(times["packed"])
+    return {
+        "stock_ms": round(stock_ms, 3),
+        "packed_ms": round(packed_ms, 3),
+        "speedup": round(statistics.median(s / p for s, p in zip(times["stock"], times["packed"])), 3),
+    }
+
+
+def _max_abs_diff(case: dict) -> float | None:
+    """|stock - packed| when the outputs line up element for element (informative: stock ignores boundaries)."""
+    with torch.no_grad():
+        stock, packed = case["stock"](), case["packed"]()
+    if stock.numel() != packed.numel():
+        return None
+    return float((stock.reshape(packed.shape).float() - packed.float()).abs().max())
+
+
+def _synchronizer(device: str):
+    if device.startswith("cuda"):
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()  # stock functions warn once that their CUDA kernels are missing
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+def _report(args, rows: list[dict]) -> dict:
+    import transformers
+
+    return {
+        "device": args.device.split(":")[0],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "threads": torch.get_num_threads(),
+        "settings": {"T": args.T, "n_docs": args.n_docs, "repeats": args.repeats, "warmup": args.warmup,
+                     "seed": args.seed},
+        "results": rows,
+    }
+
+
+def markdown(report: dict) -> str:
+    settings = report["settings"]
+    lines = [
+        f"# Op benchmark: {report['device']}, {report['date']}",
+        "",
+        f"torch {report['torch']}, transformers {report['transformers']}, {report['threads']} threads; one packed "
+        f"row of T={settings['T']} tokens, {settings['n_docs']} documents; median of {settings['repeats']} repeats "
+        f"after {settings['warmup']} warm-up; speedup = stock time / packed time (median of per-repeat ratios).",
+        "",
+        "| op | fwd stock ms | fwd packed ms | fwd speedup | fwd+bwd stock ms | fwd+bwd packed ms | fwd+bwd speedup "
+        "| max abs diff | error |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|---|",
+    ]
+    for row in report["results"]:
+        fwd, both = row.get("fwd") or {}, row.get("fwd+bwd") or {}
+        cells = [
+            row["op"],
+            *(_fmt(fwd.get(k), "{:.2f}") for k in ("stock_ms", "packed_ms")),
+            _fmt(fwd.get("speedup"), "{:.2f}x"),
+            *(_fmt(both.get(k), "{:.2f}") for k in ("stock_ms", "packed_ms")),
+            _fmt(both.get("speedup"), "{:.2f}x"),
+            _fmt(row.get("max_abs_diff"), "{:.1e}"),
+            row.get("error") or "",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(value, fmt: str) -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def _one_line(row: dict) -> str:
+    if row["error"]:
+        return f"{row['op']:>18}: error {row['error']}"
+    fwd, both = row["fwd"], row["fwd+bwd"]
+    return (f"{row['op']:>18}: fwd {fwd['stock_ms']:.2f} -> {fwd['packed_ms']:.2f} ms ({fwd['speedup']:.2f}x), "
+            f"fwd+bwd {both['stock_ms']:.2f} -> {both['packed_ms']:.2f} ms ({both['speedup']:.2f}x)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
