@@ -1,0 +1,87 @@
+"""Shared pieces of the integration tests: per-sample reference losses, a loss-recording Trainer, tiny data."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from compilepack.validation import IGNORE_INDEX
+from tests.models import random_docs
+
+# Document lengths of the training set: longer than the mixers' chunk (64), 1-token documents, ordinary ones.
+LENGTHS = [37, 5, 70, 12, 1, 44, 20, 9, 66, 3, 30, 15]
+# First-step loss vs the per-sample reference, fp32. Measured: <= 2e-7 (llama, qwen3_5, bamba).
+LOSS_TOLERANCE = 1e-5
+# A packed row run as one sequence moves the loss by more than this (measured >= 5e-3): the comparison
+# above can tell a correct packed step from one that mixes documents.
+MIXING_SHIFT = 100 * LOSS_TOLERANCE
+
+
+def training_docs(vocab_size: int = 256, seed: int = 0) -> list[list[int]]:
+    return random_docs(vocab_size, LENGTHS, seed=seed)
+
+
+def documents(batch) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(input_ids, labels) of every document of a packed batch, split at its ``cu_seq_lens_q``."""
+    cu = batch["cu_seq_lens_q"].tolist()
+    ids, labels = batch["input_ids"].flatten(), batch["labels"].flatten()
+    return [(ids[s:e], labels[s:e]) for s, e in zip(cu[:-1], cu[1:])]
+
+
+def per_sample_loss(stock, batch) -> tuple[float, int]:
+    """The HF causal-LM loss of ``batch`` computed from each document run alone through ``stock``.
+
+    Each document's summed cross-entropy over its own shifted labels, added over documents and divided by the
+    number of labelled targets of the whole batch: the token-weighted mean that the HF loss (with Trainer's
+    ``num_items_in_batch``) takes over the packed row. Returns (loss, number of targets).
+    """
+    total, targets = 0.0, 0
+    with torch.no_grad():
+        for ids, labels in documents(batch):
+            if len(ids) < 2:
+                continue
+            logits = stock(input_ids=ids[None], use_cache=False).logits[0].double()
+            total += F.cross_entropy(logits[:-1], labels[1:], reduction="sum", ignore_index=IGNORE_INDEX).item()
+            targets += int((labels[1:] != IGNORE_INDEX).sum())
+    return total / targets, targets
+
+
+def one_sequence_loss(stock, batch) -> float:
+    """The same batch's loss if its row were one sequence (documents mixed): the failure the tests must see."""
+    with torch.no_grad():
+        return stock(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss.item()
+
+
+def assert_batch_documents_are_samples(batch, samples: list[list[int]]) -> None:
+    """Every labelled document of the batch is exactly one training sample (the boundaries are the samples')."""
+    for ids, labels in documents(batch):
+        if (labels[1:] != IGNORE_INDEX).any():
+            assert ids.tolist() in samples, f"document {ids.tolist()[:8]}... is not a training sample"
+
+
+class RecordingMixin:
+    """Trainer mixin: records every batch (on the host) and the loss ``compute_loss`` returns for it."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        self.recorded_batches.append({k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in inputs.items()})
+        loss = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        self.recorded_losses.append((loss[0] if return_outputs else loss).detach().item())
+        return loss
+
+
+def recording(trainer_cls):
+    """``trainer_cls`` with :class:`RecordingMixin`; instances have ``recorded_batches`` / ``recorded_losses``."""
+
+    class Recording(RecordingMixin, trainer_cls):
+        def __init__(self, *args, **kwargs):
+            self.recorded_batches, self.recorded_losses = [], []
+            super().__init__(*args, **kwargs)
+
+    return Recording
+
+
+def dynamo_counts() -> tuple[int, int]:
+    """(graphs compiled, graph breaks) so far, from dynamo's counters."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
