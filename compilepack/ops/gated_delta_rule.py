@@ -130,7 +130,7 @@ def _saved_like(q: Tensor, k: Tensor, v: Tensor, use_qk_l2norm: bool, backend: s
         norms += [k.new_empty(k.shape), k.new_empty(B, T, H, dtype=torch.float32)] if use_qk_l2norm else []
         return norms + [q.new_empty(B, T, HV, dtype=torch.float32), k.new_empty(B, T, HV, CHUNK)]
     n_chunks = (B * T + CHUNK - 1) // CHUNK
-    return [q.new_empty(n_chunks, H, HV // H, K, V, dtype=torch.float32)]  # the state at every chunk start
+    return [q.new_empty(n_chunks * HV * K * V, dtype=torch.float32)]  # the state at every chunk start, flat
 
 
 @torch.library.custom_op("compilepack::gated_delta_rule_varlen_backward", mutates_args=())
@@ -275,7 +275,9 @@ def _reference_forward(q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale):
     v_new = c.u - c.w @ states
     o = c.qe @ states + c.attn @ v_new  # [NC, H, G, C, V]
     o = _from_chunks(o.flatten(1, 2), c.total).reshape(v.shape).to(q.dtype)
-    return o, [states]
+    # flat, so the chunk count is never a dimension of its own: the compiler specialises a size-1 dimension,
+    # which would cost one recompile for every batch of at most one chunk
+    return o, [states.view(-1)]
 
 
 def _chunk_start_states(u: Tensor, w: Tensor, k_out: Tensor, carry: Tensor) -> Tensor:
@@ -291,8 +293,9 @@ def _chunk_start_states(u: Tensor, w: Tensor, k_out: Tensor, carry: Tensor) -> T
 
 
 def _reference_backward(do, q, k, v, g, beta, cu_seqlens, saved, use_qk_l2norm, scale):
-    (states,) = saved
+    (flat_states,) = saved
     c = _Chunks(q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale)
+    states = flat_states.view(*c.u.shape[:3], c.w.shape[-1], c.u.shape[-1])  # [NC, H, G, K, V]
     do_c = _to_chunks(do.reshape(c.total, c.H, c.G, -1).float(), c.n_chunks)  # [NC, H, G, C, V]
     v_new = c.u - c.w @ states
     d_states_end = _chunk_end_state_grads(do_c, c)  # dL/dS' for every chunk

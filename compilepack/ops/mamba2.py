@@ -177,10 +177,10 @@ def _(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_m
 def _fake_saved_states(like, batch, total, heads, head_dim, state_size, chunk_size) -> list[torch.Tensor]:
     """Shapes of ``(chunk_states, end_states, decay)`` saved by :func:`_reference_scan_forward`."""
     nchunks = _num_chunks(total, chunk_size)
-    states = (batch, nchunks, heads, head_dim, state_size)
-    decay = (batch, nchunks, heads, chunk_size, chunk_size)
+    states = batch * nchunks * heads * head_dim * state_size
+    decay = batch * nchunks * heads * chunk_size * chunk_size
     dtype = _compute_dtype(like)
-    return [like.new_empty(shape, dtype=dtype) for shape in (states, states, decay)]
+    return [like.new_empty(numel, dtype=dtype) for numel in (states, states, decay)]
 
 
 @torch.library.custom_op("compilepack::mamba2_chunk_scan_varlen_backward", mutates_args=())
@@ -375,7 +375,20 @@ def _reference_scan_forward(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_
     y = y.reshape(x.shape[0], -1, *x.shape[2:])[:, : k.total]
     if D is not None:
         y = y + _skip(x.to(y.dtype), D.to(y.dtype))
-    return y.contiguous(), [chunk_states.contiguous(), end_states.contiguous(), decay]
+    return y.contiguous(), _flat_saved(chunk_states, end_states, decay)
+
+
+def _flat_saved(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Saved tensors as flat 1-D buffers. Shaped ``[b, chunks, ...]`` they would expose the chunk count as a
+    dimension of its own, which the compiler specialises when it is 1 (one recompile for any batch of at most
+    one chunk); a flat length ``b * chunks * H * ...`` never equals 1."""
+    return [t.contiguous().view(-1) for t in tensors]
+
+
+def _unflat_saved(saved, batch: int, nchunks: int, heads: int, head_dim: int, state_size: int, chunk_size: int):
+    chunk_states, end_states, decay = saved
+    states = (batch, nchunks, heads, head_dim, state_size)
+    return chunk_states.view(states), end_states.view(states), decay.view(batch, nchunks, heads, chunk_size, chunk_size)
 
 
 def _shift_chunks(end_states: torch.Tensor) -> torch.Tensor:
@@ -392,8 +405,9 @@ def _reference_scan_backward(grad_y, saved, x, dt, A, B, C, seq_idx, D, dt_bias,
                              dt_max):
     """Hand-derived gradients of :func:`_reference_scan_forward`, each einsum's transpose in turn (the saved
     states spare recomputing the state passing)."""
-    chunk_states, end_states, decay = saved
     k = _Chunked(x, dt, A, B, C, seq_idx, dt_bias, chunk_size, dt_softplus, dt_min, dt_max)
+    chunk_states, end_states, decay = _unflat_saved(saved, x.shape[0], k.nchunks, x.shape[2], x.shape[3],
+                                                    B.shape[3], chunk_size)
     pad = k.nchunks * chunk_size - k.total
     dy = _pad_time(grad_y.to(k.x.dtype), pad).view_as(k.x)
 
