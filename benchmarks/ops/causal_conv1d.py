@@ -20,8 +20,11 @@ def doc_lengths_of(T: int, n_docs: int, generator: torch.Generator) -> list[int]
 
 
 def setup(T: int = 2048, n_docs: int = 16, device: str = "cpu", seed: int = 0, *, dim: int = 1024, width: int = 4):
+    """``stock()`` runs transformers' torch fallback on the packed row (leaks across documents: the cost
+    baseline); ``packed()`` runs the op on the same tokens, on causal-conv1d when on CUDA and installed."""
     from transformers.models.qwen3_next.modeling_qwen3_next import causal_conv1d_fn
 
+    from compilepack import backends
     from compilepack.ops.causal_conv1d import causal_conv1d_varlen
 
     generator = torch.Generator().manual_seed(seed)
@@ -31,7 +34,8 @@ def setup(T: int = 2048, n_docs: int = 16, device: str = "cpu", seed: int = 0, *
     weight = torch.randn(dim, width, generator=generator).mul_(width**-0.5).to(device).requires_grad_()
     bias = torch.randn(dim, generator=generator).mul_(0.1).to(device).requires_grad_()
     seq_idx = seq_idx.to(device)
-    backend = "causal_conv1d" if device.startswith("cuda") else "reference"
+    on_cuda_kernel = device.startswith("cuda") and backends.is_installed("causal_conv1d")
+    backend = "causal_conv1d" if on_cuda_kernel else backends.REFERENCE
 
     def stock():
         return causal_conv1d_fn(x, weight, bias, activation="silu")
@@ -57,7 +61,7 @@ def _main() -> None:
 
     for dim in (512, 1024):
         case = setup(dim=dim)
-        grad = torch.randn(1, dim, 2048)
+        grad = torch.randn(1, dim, 2048)  # [B, D, T]-contiguous: the op transposes it (a model's grad is not)
         modes = {
             "fwd": lambda fn: torch.no_grad()(fn)(),
             "fwd+bwd": lambda fn: fn().backward(grad),
