@@ -97,7 +97,7 @@ def test_lora_with_checkpointing_packed_grads_equal_per_document(family_name):
     assert relative_grad_error(packed, reference) <= TOLERANCE[family_name]
 
 
-@pytest.mark.parametrize("family_name", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("family_name", ["llama"])
 def test_lora_with_checkpointing_detects_mixed_documents(family_name):
     """The comparison above can fail: the same packed tokens as one document are far off the reference."""
     stock, patched = lora_pair(family_name)
