@@ -61,12 +61,15 @@ def assert_grads_close(got, want, atol=ATOL):
 
 
 def plain_conv(path):
-    """Force the reference's boundary-blind conv onto one implementation (the default picks by size)."""
+    """Force the reference onto one implementation: the boundary-blind conv as W multiply-adds or conv2d (the
+    default picks by size), or the sync-free masked corrections used off the CPU (no ``nonzero``)."""
+    if path == "sync_free":
+        return mock.patch.object(conv_module, "_sync_free", lambda tensor: True)
     threshold = {"conv2d": 0, "multiply_adds": 1 << 62}[path]
     return mock.patch.object(conv_module, "CONV2D_MIN_ELEMENTS", threshold)
 
 
-PLAIN_CONVS = ["multiply_adds", "conv2d"]
+PLAIN_CONVS = ["multiply_adds", "conv2d", "sync_free"]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -128,7 +131,8 @@ def test_rows_are_independent_with_global_ids(path):
 
 @pytest.mark.parametrize("activation", [None, "silu"])
 def test_plain_conv_paths_agree_at_model_size(activation):
-    """At a real layer size the default picks conv2d; the multiply-adds agree with it (fp32, B = 2)."""
+    """At a real layer size the default picks conv2d; the multiply-adds and the sync-free corrections agree
+    with it (fp32, B = 2)."""
     lengths = [100, 1, 3, 200, 40]
     x, weight, bias = make_inputs(lengths, batch=2, dim=1024)
     seq_idx = seq_idx_of(lengths).expand(2, -1)
@@ -139,9 +143,10 @@ def test_plain_conv_paths_agree_at_model_size(activation):
         with plain_conv(path):
             out = causal_conv1d_varlen(x, weight, bias, seq_idx, activation)
             results[path] = (out, *grads_of(out, (x, weight, bias), grad_out))
-    (out_a, *grads_a), (out_b, *grads_b) = results.values()
-    assert_close(out_a, out_b)
-    assert_grads_close(grads_a, grads_b)
+    (out_a, *grads_a), *others = results.values()
+    for out_b, *grads_b in others:
+        assert_close(out_a, out_b)
+        assert_grads_close(grads_a, grads_b)
 
 
 def test_without_bias_weight_and_x_grads():
