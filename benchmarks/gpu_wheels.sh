@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Wheels the GPU check needs on the lent H200 machine, which has torch and triton but no internet.
+# Run here (a machine with PyPI); the device command installs them with --no-index --no-deps.
+#
+#   bash benchmarks/gpu_wheels.sh                        # fills .whl/ (ignored by git, carried by the device tool)
+#   # on the device (command for the device tool's run, with carry [".whl"]):
+#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+#     && PYTHONPATH=/tmp/site:$PWD python3 benchmarks/gpu_check.py --out $OUT/gpu_check.json
+#
+# Not carried: flash-attn, mamba-ssm and causal-conv1d publish no prebuilt wheels on PyPI (sdists that
+# compile CUDA code for tens of minutes), so on the device attention uses torch's varlen_attn and the conv and
+# Mamba2 ops their pure-torch references; fla is pure Python + Triton and is carried.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p .whl
+grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
+           --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
+python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" \
+  -d .whl \
+  "transformers==5.24.0" "huggingface-hub>=1.31,<3" "tokenizers>=0.23.1,<0.24" "safetensors>=0.8" "regex>=2025.10.22" \
+  "flash-linear-attention==0.6.0" "fla-core==0.6.0" "typer" "shellingham" "rich" "markdown-it-py" "mdurl"
+ls -la .whl
