@@ -18,6 +18,6 @@ platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --p
            --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" \
   -d .whl \
-  "transformers==5.24.0" "huggingface-hub>=1.31,<3" "tokenizers>=0.23.1,<0.24" "safetensors>=0.8" "regex>=2025.10.22" \
+  "transformers==5.24.0" "huggingface-hub>=1.31,<2" "tokenizers>=0.23.1,<0.24" "safetensors>=0.8" "regex>=2025.10.22" \
   "flash-linear-attention==0.6.0" "fla-core==0.6.0" "typer" "shellingham" "rich" "markdown-it-py" "mdurl"
 ls -la .whl
