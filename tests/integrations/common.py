@@ -64,7 +64,8 @@ class RecordingMixin:
     """Trainer mixin: records every batch (on the host) and the loss ``compute_loss`` returns for it."""
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        self.recorded_batches.append({k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in inputs.items()})
+        batch = {k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in inputs.items()}
+        self.recorded_batches.append(batch)
         loss = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         self.recorded_losses.append((loss[0] if return_outputs else loss).detach().item())
         return loss

@@ -5,7 +5,8 @@ import pytest
 
 @pytest.fixture(autouse=True)
 def _isolated_state():
-    """Fresh dynamo counters. TrainingArguments exports ACCELERATE_* variables and accelerate keeps a process-wide state: undo both."""
+    """Fresh dynamo counters; TrainingArguments exports ACCELERATE_* variables and accelerate keeps a
+    process-wide state: undo both after each test."""
     from torch._dynamo.utils import counters
 
     counters.clear()  # torch._dynamo.reset() keeps them; each test counts its own graphs and breaks

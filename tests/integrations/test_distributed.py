@@ -38,7 +38,8 @@ def distributed_grads(tmp_path_factory):
         str(Path(worker.__file__)), "--out", str(out), "--cases", ",".join(f"{m}:{f}" for m, f in CASES),
     ]
     result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, f"torchrun failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    output = f"{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    assert result.returncode == 0, f"torchrun failed ({result.returncode}):\n{output}"
     return {(m, f): torch.load(out / f"{m}-{f}.pt") for m, f in CASES}
 
 

@@ -52,7 +52,7 @@ def test_batches_with_boundaries_or_padding_pass_through_unchanged():
     flash = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)(features())
     cu_seqlens = flash["cu_seq_lens_q"]
     assert add_boundaries(flash)["cu_seq_lens_q"] is cu_seqlens
-    padded = {"input_ids": torch.ones(2, 4, dtype=torch.long), "attention_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])}
+    padded = {"input_ids": torch.ones(2, 4, dtype=torch.long), "attention_mask": torch.tensor([[1] * 4, [1, 1, 0, 0]])}
     assert sorted(add_boundaries(dict(padded))) == ["attention_mask", "input_ids"]
 
 
