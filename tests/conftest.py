@@ -21,7 +21,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 def _fresh_dynamo():
     """Each test counts its own graphs and compiles."""
     import torch._dynamo
+    import torch._dynamo.utils
 
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # reset() keeps the counters that graph counts are read from
     yield
     torch._dynamo.reset()

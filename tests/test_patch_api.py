@@ -168,3 +168,17 @@ def test_boundaries_on_the_host_are_moved_once_and_positions_derived():
         full = model(**batch).logits
         derived = model(**without_positions).logits
     assert torch.equal(full, derived)
+
+
+def test_packed_rows_without_boundaries_fail_loudly_in_the_model():
+    """A position_ids-only packed batch would run as one sequence: the patched model refuses it (an async device
+    assert, no host sync), eager and compiled; unpacked rows with ordinary position_ids still run."""
+    model = compilepack.patch(_model())
+    batch = hf_batch([[1, 2, 3], [4, 5]])
+    positions_only = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+    with pytest.raises(RuntimeError, match="position_ids restart inside a row"):
+        model(**positions_only)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)
+    with pytest.raises(RuntimeError, match="position_ids restart inside a row"):
+        compiled(**positions_only)
+    model(input_ids=batch["input_ids"], position_ids=torch.arange(5)[None])

@@ -57,11 +57,11 @@ def patch(model: torch.nn.Module, *, backend: str | dict | _backends.Backends = 
         unpatch(model)
     family = family_of(model)
     forwards = family.forwards(chosen)
-    targets = [m for m in model.modules() if type(m) in forwards]
-    _refuse_foreign_forwards(targets)
-    for module in targets:
-        module.forward = types.MethodType(forwards[type(module)], module)
-    model.__dict__[_STATE] = PatchState(family.name, chosen, tuple(targets))
+    targets = [(m, forward) for m in model.modules() if (forward := _forward_for(type(m), forwards)) is not None]
+    _refuse_foreign_forwards([m for m, _ in targets])
+    for module, forward in targets:
+        module.forward = types.MethodType(forward, module)
+    model.__dict__[_STATE] = PatchState(family.name, chosen, tuple(m for m, _ in targets))
     return model
 
 
@@ -94,6 +94,12 @@ def patched(model: torch.nn.Module, *, backend: str | dict | _backends.Backends 
     finally:
         if not was_patched:
             unpatch(model)
+
+
+def _forward_for(cls: type, forwards: dict):
+    """The patched forward for a module class, looked up along its MRO: wrappers such as FSDP2's
+    ``fully_shard`` swap a module's class for a subclass (``FSDPLlamaModel``) of the stock one."""
+    return next((forwards[base] for base in cls.__mro__ if base in forwards), None)
 
 
 def _is_ours(forward) -> bool:

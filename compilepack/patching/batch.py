@@ -23,6 +23,8 @@ def packed_decoder_forward(stock_forward: Callable, parameter_names: tuple[str, 
         kwargs.update(zip(parameter_names, args))  # transformers passes keywords; positional ones are named here
         if any(kwargs.get(key) is not None for key in BOUNDARY_KEYS):
             kwargs = prepare_packed_kwargs(kwargs)
+        elif kwargs.get("attention_mask") is None and not _has_cache(kwargs):
+            _assert_one_sequence_per_row(kwargs.get("position_ids"))
         return stock_forward(self, **kwargs)
 
     forward.__compilepack__ = True
@@ -59,6 +61,30 @@ def prepare_packed_kwargs(kwargs: dict) -> dict:
     return kwargs
 
 
+UNMARKED_PACKING = (
+    "position_ids restart inside a row but the batch carries no boundary kwargs (cu_seq_lens_q, ...): a patched "
+    "model never infers documents from position_ids and would run the row as one sequence, mixing documents. "
+    "Collate with DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True) or "
+    "compilepack.PackedCollator, or wrap the collator with compilepack.integrations.with_boundaries."
+)
+
+
+def _assert_one_sequence_per_row(position_ids) -> None:
+    """Refuse packed rows that carry no boundaries, without a host sync: an asynchronous device assert.
+
+    A batch without boundary kwargs runs every row as one sequence; if its position_ids restart inside a
+    row it is a packed batch whose boundaries were dropped. Multimodal (3-D) position ids may legitimately
+    jump and are not checked."""
+    if position_ids is None or position_ids.dim() != 2:
+        return
+    restarts = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    torch._assert_async(~restarts.any(), UNMARKED_PACKING)
+
+
+def _has_cache(kwargs: dict) -> bool:
+    return kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None
+
+
 def _positions_in_documents(cu_seqlens: torch.Tensor, seq_idx: torch.Tensor) -> torch.Tensor:
     positions = torch.arange(seq_idx.numel(), device=seq_idx.device)
     return positions - cu_seqlens.long()[seq_idx.long()]
@@ -76,7 +102,7 @@ def _refuse_conflicting_inputs(kwargs: dict) -> None:
             "'attention_mask' was passed together with boundary kwargs: a padding mask conflicts with the packed "
             "layout. Drop 'attention_mask' from packed batches."
         )
-    if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+    if _has_cache(kwargs):
         raise BoundaryError(
             "a cache was passed with a packed batch: packed rows hold several documents and cannot continue a "
             "cache. Run packed batches without 'cache'/'past_key_values' (generation works on unpacked inputs)."

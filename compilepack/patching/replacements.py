@@ -69,6 +69,7 @@ def packed_attention(module, query, key, value, attention_mask, *, stock_attenti
     if max_seqlen is None:
         max_seqlen = row_length
     _refuse_unsupported_attention(module, kwargs)
+    query, key, value = _autocast_dtype(query, key, value)
     out = varlen_attention(
         _tokens_first(query),
         _tokens_first(key),
@@ -81,6 +82,16 @@ def packed_attention(module, query, key, value, attention_mask, *, stock_attenti
         backend=backend,
     )
     return out.view(rows, row_length, heads, -1), None
+
+
+def _autocast_dtype(*tensors):
+    """Under autocast, q/k/v in the autocast dtype, as autocast does for SDPA. The custom op is opaque to
+    autocast, and RoPE promotes q and k to fp32 while v stays in the low-precision dtype."""
+    device_type = tensors[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) for t in tensors)
 
 
 def _tokens_first(x_BHTD: torch.Tensor) -> torch.Tensor:

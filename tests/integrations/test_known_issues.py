@@ -1,6 +1,5 @@
-"""Core issues found while integrating, pinned as strict xfails: each turns into a failure once fixed.
-
-Fixes are described in docs/integrations.md ("Known issues"); none of them is in code owned by the integrations.
+"""Core issues found while integrating. Fixed ones stay here as regression tests (bf16 autocast, patching after
+fully_shard); open ones are pinned as strict xfails that turn into failures once fixed.
 """
 
 from __future__ import annotations
@@ -14,14 +13,6 @@ from compilepack.patching import family_named, patch_state
 from tests.models import build_pair, hf_batch, logits_alone, max_diff_packed_vs_alone, random_docs
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="compilepack::varlen_attention is opaque to autocast: under bf16 autocast q/k reach it as fp32 (RoPE "
-    "promotes them) and v as bf16, and the kernel raises 'expected scalar type Float but found BFloat16'. "
-    "HF Trainer/TRL with bf16=True (SFTConfig's default) hit this. Fix: cast q, k, v to the autocast dtype in "
-    "compilepack/patching/replacements.py:packed_attention, as autocast does for SDPA.",
-)
 @pytest.mark.parametrize("family_name", ["llama", "qwen3_5"])
 def test_packed_forward_under_bf16_autocast(family_name):
     stock, patched = build_pair(family_named(family_name))
@@ -43,14 +34,6 @@ def single_rank_group():
     dist.destroy_process_group()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="patch() matches module classes exactly; fully_shard(module) swaps the class to FSDP<Class>, so a "
-    "model sharded before patch() silently keeps the stock decoder forward (boundaries are not prepared, "
-    "use_cache is not forced off: hybrids then fail with a misleading 'recurrent state' BoundaryError). Fix: "
-    "look classes up along type(module).__mro__ in compilepack/patching/api.py:patch.",
-)
 def test_patch_after_fully_shard_patches_the_decoder(single_rank_group):
     from torch.distributed.fsdp import fully_shard
 
