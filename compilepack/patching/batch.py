@@ -21,11 +21,38 @@ def packed_decoder_forward(stock_forward: Callable, parameter_names: tuple[str, 
 
     def forward(self, *args, **kwargs):
         kwargs.update(zip(parameter_names, args))  # transformers passes keywords; positional ones are named here
+        bridged = self.__dict__.get(_BRIDGE)
+        if bridged is not None:
+            kwargs = {**bridged, **kwargs}
         if any(kwargs.get(key) is not None for key in BOUNDARY_KEYS):
             kwargs = prepare_packed_kwargs(kwargs)
         elif kwargs.get("attention_mask") is None and not _has_cache(kwargs):
             _assert_one_sequence_per_row(kwargs.get("position_ids"))
         return stock_forward(self, **kwargs)
+
+    forward.__compilepack__ = True
+    return forward
+
+
+_BRIDGE = "_compilepack_bridged_kwargs"
+
+
+def bridging_forward(stock_forward: Callable, parameter_names: tuple[str, ...], child: str) -> Callable:
+    """A ``forward`` for a wrapper whose stock code calls its decoder without ``**kwargs`` (``Mamba2ForCausalLM``
+    calls ``self.backbone(...)`` with a fixed argument list): the boundary kwargs are handed to the decoder
+    through an attribute of the decoder module for the duration of the call, and removed afterwards."""
+
+    def forward(self, *args, **kwargs):
+        kwargs.update(zip(parameter_names, args))
+        carried = {key: kwargs[key] for key in BOUNDARY_KEYS if kwargs.get(key) is not None}
+        if not carried:
+            return stock_forward(self, **kwargs)
+        decoder = getattr(self, child)
+        decoder.__dict__[_BRIDGE] = carried
+        try:
+            return stock_forward(self, **kwargs)
+        finally:
+            del decoder.__dict__[_BRIDGE]
 
     forward.__compilepack__ = True
     return forward

@@ -22,7 +22,7 @@ import transformers
 from ..backends import Backends
 from ..errors import IncompatibleTransformersError, UnsupportedModelError
 from . import replacements as R
-from .batch import packed_decoder_forward
+from .batch import bridging_forward, packed_decoder_forward
 from .rebind import innermost, rebound_module, with_globals
 
 TESTED_TRANSFORMERS = ">=5.24,<5.25"
@@ -44,6 +44,8 @@ class Family:
         entries: classes above the decoder that receive the batch first (multimodal wrappers); their forward
             only prepares the packed kwargs, so e.g. position_ids restart per document before the wrapper
             would compute its own.
+        kwargs_bridges: wrapper class name -> attribute of the decoder it calls without ``**kwargs``
+            (``{"Mamba2ForCausalLM": "backbone"}``): the boundary kwargs are carried across that call.
         tiny_builders: variant -> transformers class name used to build it (default ``AutoModelForCausalLM``).
         bench_config: a small but realistic config (a few million parameters) for ``python -m compilepack
             bench``; defaults to the first tiny config.
@@ -58,6 +60,7 @@ class Family:
     tiny_configs: Mapping[str, Callable[[], transformers.PretrainedConfig]]
     model_types: tuple[str, ...] = ()
     entries: tuple[str, ...] = ()
+    kwargs_bridges: Mapping[str, str] = dataclasses.field(default_factory=dict)
     tiny_builders: Mapping[str, str] = dataclasses.field(default_factory=dict)
     bench_config: Callable[[], transformers.PretrainedConfig] | None = None
     kernels: str = ""
@@ -160,6 +163,9 @@ def _patched_forwards(family: Family, backends: Backends) -> dict[type, Callable
     for class_name in family.entries:
         cls = _class(stock, class_name)
         forwards[cls] = packed_decoder_forward(cls.forward, _parameter_names(cls.forward))
+    for class_name, child in family.kwargs_bridges.items():
+        cls = _class(stock, class_name)
+        forwards[cls] = bridging_forward(cls.forward, _parameter_names(cls.forward), child)
     return forwards
 
 

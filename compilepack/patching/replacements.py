@@ -221,13 +221,12 @@ def _make_mamba2_split_conv1d_scan(stock: Callable, backends: Backends) -> Calla
     def mamba2_split_conv1d_scan_combined(zxbcdt, *args, seq_idx=None, **kwargs):
         if seq_idx is None:
             return stock(zxbcdt, *args, **kwargs)
-        if zxbcdt.device.type != "cuda" or backends.ssd != "mamba_ssm" or backends.conv != "causal_conv1d":
-            # No fused kernel here: returning None sends the stock forward down its unfused path, whose conv
-            # and scan are compilepack's boundary-aware ops. Decided from static facts only.
-            return None
-        from ..ops.mamba2 import mamba2_split_conv1d_scan_varlen
-
-        return mamba2_split_conv1d_scan_varlen(zxbcdt, *args, seq_idx=seq_idx, backend=backends.ssd, **kwargs)
+        # A packed batch always takes the mixer's unfused path (returning None is how the stock forward asks
+        # for it), whose conv and scan are compilepack's ops, each on its CUDA kernel when installed. The fused
+        # kernel is handed raw weights (``out_proj.weight``, the norm's weight), so it would silently bypass
+        # adapters such as LoRA on those modules, and this function never sees the modules to tell; the fused
+        # op stays available as ``compilepack.ops.mamba2_split_conv1d_scan_varlen`` for direct use.
+        return None
 
     return mamba2_split_conv1d_scan_combined
 
