@@ -1,5 +1,7 @@
-"""Bamba: Mamba2 mixers (causal conv1d + SSD chunk scan; mamba-ssm's fused kernel when training on CUDA) and
-attention layers."""
+"""Bamba: Mamba2 mixers (causal conv1d + SSD chunk scan) and attention layers.
+
+Packed batches take the mixer's unfused path (see MAMBA2_SPLIT_CONV1D_SCAN): on CUDA its conv and scan run
+causal-conv1d's and mamba-ssm's kernels with document resets."""
 
 from transformers import BambaConfig
 
@@ -36,8 +38,8 @@ register(
             mamba_expand=2, mamba_chunk_size=128, max_position_embeddings=4096,
         ),
         kernels=(
-            "conv: causal-conv1d; scan: mamba-ssm mamba_chunk_scan_combined (training: fused "
-            "mamba_split_conv1d_scan_combined); attention: flash-attn / torch varlen"
+            "conv: causal-conv1d causal_conv1d_fn(seq_idx); scan: mamba-ssm mamba_chunk_scan_combined(seq_idx); "
+            "attention: flash-attn / torch varlen"
         ),
         stock_packed=(
             "position_ids only: silently wrong (Mamba2 layers scan one long sequence); with the collator's "
