@@ -80,11 +80,17 @@ def steps_by_token_budget(docs: list[list[int]], tokens_per_step: int) -> list[l
     return steps
 
 
-def grouped_by_length(steps: list[list[list[int]]], tokens_per_step: int) -> list[list[list[int]]]:
-    """HF Trainer's ``group_by_length``: the pool of these steps' documents sorted by length (longest first),
-    then cut into steps of the same real-token budget, so each padded batch holds similar lengths."""
-    pool = sorted((doc for step in steps for doc in step), key=len, reverse=True)
-    return steps_by_token_budget(pool, tokens_per_step)
+def grouped_by_length(pool: list[list[list[int]]], tokens_per_step: int) -> list[list[list[int]]]:
+    """HF Trainer's ``group_by_length``: the documents of a pool of steps sorted by length (longest first), then
+    cut into steps of the same real-token budget, so each padded batch holds similar lengths."""
+    documents = sorted((doc for step in pool for doc in step), key=len, reverse=True)
+    return steps_by_token_budget(documents, tokens_per_step)
+
+
+def evenly_spaced(items: list, count: int) -> list:
+    """``count`` items at evenly spaced positions (the middle of each of ``count`` equal slices)."""
+    count = min(count, len(items))
+    return [items[int((i + 0.5) * len(items) / count)] for i in range(count)]
 
 
 # ------------------------------------------------------------------------------------------------ batches

@@ -43,6 +43,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--isolation", choices=("process", "none"), default="process",
                         help="process: each mode in its own process, with the time limit (default); "
                              "none: all in this process, no time limit (debugging)")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one extra (untimed) step per mode with torch.profiler; top ops go in the JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -100,7 +102,7 @@ def _run_all(args, families, modes, workload, scratch: pathlib.Path, log_dir: pa
                 family=family, mode=mode, workload=workload, device=args.device,
                 compile_backend=args.compile_backend, config=args.config, threads=args.threads,
                 log_path=str(log_dir / f"{family}-{mode}.log"),
-                inductor_cache_dir=_cache_dir(args.inductor_cache, scratch, family, mode),
+                inductor_cache_dir=_cache_dir(args.inductor_cache, scratch, family, mode), profile=args.profile,
             )
             bar.set_postfix_str(f"{family} {mode}")
             result = runner(spec, args.mode_timeout, lambda phase: bar.set_postfix_str(f"{family} {mode}: {phase}"))
@@ -149,9 +151,12 @@ def _report(args, results: list[dict], workload, wall_s: float) -> dict:
     import compilepack
 
     from .bars import evaluate
+    from .modes import mode_named
     from .report import add_ratios
 
     add_ratios(results)
+    for result in results:
+        result["description"] = mode_named(result["mode"]).description
     return {
         "device": _device_label(args.device),
         "device_name": _device_name(args.device),

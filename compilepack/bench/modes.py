@@ -33,23 +33,35 @@ class Batch(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
-    """The documents of a run: ``warmup_steps`` then ``steps`` steps of at most ``tokens_per_step`` real tokens."""
+    """The documents of a run: ``warmup_steps`` then ``steps`` steps of at most ``tokens_per_step`` real tokens,
+    in arrival order; grouped-by-length steps come from a pool of ``group_pool`` arrival steps."""
 
     tokens_per_step: int = 8192
-    steps: int = 2
+    steps: int = 1
     warmup_steps: int = 1
+    group_pool: int = 50  # HF's LengthGroupedSampler sorts mega-batches of 50 batches
+    grouped_steps: int = 3  # timed grouped steps at least: long, middle and short documents all represented
     seed: int = 0
     mix: data.LengthMix = data.LengthMix()
 
     def arrival_steps(self) -> tuple[list, list]:
         """(warm-up steps, timed steps), each a list of documents in arrival order."""
-        wanted = self.warmup_steps + self.steps
+        steps = self._steps(self.warmup_steps + self.steps)
+        return steps[: self.warmup_steps], steps[self.warmup_steps :]
+
+    def grouped_steps_timed(self) -> list:
+        """Steps of the length-sorted pool (the warm-up and timed arrival steps and the ones after them), at
+        evenly spaced positions from the longest documents to the shortest."""
+        pool = self._steps(self.warmup_steps + max(self.steps, self.group_pool))[self.warmup_steps :]
+        grouped = data.grouped_by_length(pool, self.tokens_per_step)
+        return data.evenly_spaced(grouped, max(self.steps, self.grouped_steps))
+
+    def _steps(self, count: int) -> list:
         lengths, seed = [], self.seed
-        while sum(lengths) < (wanted + 1) * self.tokens_per_step:
+        while sum(lengths) < (count + 1) * self.tokens_per_step:
             lengths += self.mix.sample(256, seed)
             seed += 1
-        steps = data.steps_by_token_budget(data.documents(lengths, self.seed), self.tokens_per_step)[:wanted]
-        return steps[: self.warmup_steps], steps[self.warmup_steps :]
+        return data.steps_by_token_budget(data.documents(lengths, self.seed), self.tokens_per_step)[:count]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +76,8 @@ class Mode:
         """(warm-up batches, timed batches). Eager modes warm up on a short batch (optimizer state, kernels);
         compiled modes warm up on full steps, so the compile sees a real shape."""
         warmup, timed = workload.arrival_steps()
+        if self.layout == "grouped":
+            timed = workload.grouped_steps_timed()
         if self.compile is EAGER:
             warmup = [_first_tokens(step, SHORT_WARMUP_TOKENS) for step in warmup]
         layout = _LAYOUTS[self.layout]
@@ -82,10 +96,6 @@ def _padded64(steps, workload):
     return _padded(steps, workload, multiple_of=64)
 
 
-def _grouped(steps, workload):
-    return _padded(data.grouped_by_length(steps, workload.tokens_per_step), workload)
-
-
 def _hf_packed(steps, workload):
     return [Batch(data.hf_packed_batch(step), step) for step in steps]
 
@@ -96,7 +106,7 @@ def _fixed(steps, workload):
     return [Batch(collate([{"input_ids": doc} for doc in step]), step) for step in steps]
 
 
-_LAYOUTS = {"padded": _padded, "padded64": _padded64, "grouped": _grouped, "hf_packed": _hf_packed, "fixed": _fixed}
+_LAYOUTS = {"padded": _padded, "padded64": _padded64, "grouped": _padded, "hf_packed": _hf_packed, "fixed": _fixed}
 
 MODES = (
     Mode(
@@ -111,7 +121,7 @@ MODES = (
     ),
     Mode(
         "stock_grouped_eager",
-        "stock model, padded batches formed from the length-sorted pool (HF Trainer group_by_length), eager",
+        "stock model, padded batches cut from the length-sorted pool of 50 steps (HF Trainer group_by_length), eager",
         "grouped", patched=False, compile=EAGER,
     ),
     Mode(

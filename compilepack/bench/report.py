@@ -49,7 +49,20 @@ def markdown(report: dict) -> str:
     lines += [_markdown_row(r) for r in report["results"]]
     lines += ["", "## Bars", "", "| family | bar | value | target | met | detail |", "|---|---|--:|--:|---|---|"]
     lines += [_bar_row(b) for b in report["bars"]]
+    lines += _profile_sections(report["results"])
     return "\n".join(lines) + "\n"
+
+
+def _profile_sections(results: list[dict]) -> list[str]:
+    """Top ops (self CPU time) of each profiled mode: where the step's time goes."""
+    lines = []
+    for r in results:
+        if not r.get("profile_top"):
+            continue
+        lines += ["", f"### Profile: {r['family']} {r['mode']} (one extra step, torch.profiler, self CPU time)", "",
+                  "| op | self CPU ms | share | calls |", "|---|--:|--:|--:|"]
+        lines += [f"| `{e['op']}` | {e['self_cpu_ms']:.0f} | {e['share']:.0%} | {e['calls']} |" for e in r["profile_top"]]
+    return lines
 
 
 def _workload_line(workload: dict) -> str:
@@ -164,7 +177,7 @@ def print_console(report: dict) -> None:
             _num(r.get("peak_mem_mb"), "{:.0f}"), _num(r.get("max_logit_diff"), "{:.1e}"),
             _num(r.get("padding_frac"), "{:.0%}"), _issue(r)[:60],
         )
-    console = Console()
+    console = Console(width=max(Console().width, 180))  # a narrow or piped terminal would fold every cell
     console.print(table)
     for bar in report["bars"]:
         met = {True: "[green]met[/]", False: "[red]missed[/]", None: "[yellow]n/a[/]"}[bar["met"]]

@@ -30,6 +30,7 @@ class ModeSpec:
     threads: int | None = None  # None: torch's default for the machine
     log_path: str | None = None
     inductor_cache_dir: str | None = None  # a fresh directory makes every compile cold
+    profile: bool = False  # one extra, untimed step under torch.profiler: its top ops go in the result
 
 
 def empty_result(spec: ModeSpec) -> dict:
@@ -127,6 +128,9 @@ def _measure(spec: ModeSpec, result: dict, report) -> None:
         records.append((batch, seconds, counters.graphs > graphs_before))
         result["step_s"] = [round(s, 3) for _, s, _ in records]
     _summarize(records, len(warmup), mode, counters, result)
+    if spec.profile:
+        report("profiling")
+        result["profile_top"] = _profile_step(step_model, timed[-1], optimizer, sync, device)
 
 
 def build_model(family, config: str, seed: int) -> torch.nn.Module:
@@ -163,6 +167,22 @@ def _train_step(model, batch: Batch, optimizer, sync, device, keep_logits: bool)
     return elapsed(), (output.logits.detach() if keep_logits else None)
 
 
+def _profile_step(model, batch: Batch, optimizer, sync, device, top: int = 12) -> list[dict]:
+    """Top ops by self CPU time of one more training step (after the timed ones, so timing is unaffected)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as profiler:
+        _train_step(model, batch, optimizer, sync, device, keep_logits=False)
+    events = [e for e in profiler.key_averages() if e.self_cpu_time_total > 0]
+    total = sum(e.self_cpu_time_total for e in events)
+    events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    return [
+        {"op": e.key, "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 1),
+         "share": round(e.self_cpu_time_total / total, 3), "calls": e.count}
+        for e in events[:top]
+    ]
+
+
 def _position_ids_only_diff(model, batch: Batch, check_docs, alone, device) -> float:
     """What stock does with a packed row when no boundary kwarg reaches it (the silent leak, if any)."""
     from . import data
@@ -181,6 +201,7 @@ def _summarize(records, warmup_count: int, mode, counters, result: dict) -> None
     result["tokens_per_s"] = round(tokens_per_s, 1)
     result["real_tokens"] = [b.real_tokens for b, _, _ in records]
     result["timed_steps"] = len(timed)
+    result["batches"] = len(records)  # "compiles" counts dynamo compiles over these batches
     if mode.compile is EAGER:
         return
     overhead = [max(0.0, s - b.real_tokens / tokens_per_s) for b, s, _ in records]
