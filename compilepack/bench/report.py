@@ -126,6 +126,7 @@ def plot(report: dict, path: pathlib.Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     results = report["results"]
     families = list(dict.fromkeys(r["family"] for r in results))
@@ -133,6 +134,7 @@ def plot(report: dict, path: pathlib.Path) -> None:
     width = 0.8 / len(modes)
     figure, axes = plt.subplots(figsize=(max(8, 2.2 * len(families) + 3), 5))
     colors = plt.get_cmap("tab10")
+    handles = []
     for index, mode in enumerate(modes):
         xs, ys, missing = [], [], []
         for position, family in enumerate(families):
@@ -144,14 +146,17 @@ def plot(report: dict, path: pathlib.Path) -> None:
                 ys.append(value)
             else:
                 missing.append(x)
-        axes.bar(xs, ys, width, label=mode, color=colors(index))
-        axes.plot(missing, [1.0] * len(missing), "x", color=colors(index), markersize=8)
+        axes.bar(xs, ys, width, color=colors(index))
+        # a missing figure is an 'x' at the foot of the axis (x in data, y in axes coordinates)
+        axes.plot(missing, [0.03] * len(missing), "x", color=colors(index), markersize=9, mew=2,
+                  transform=axes.get_xaxis_transform())
+        handles.append(Patch(color=colors(index), label=mode))
     axes.set_yscale("log")
     axes.set_xticks(range(len(families)), families)
     axes.set_ylabel("real tokens / s (training step, log scale)")
     axes.set_title(f"compilepack bench, {report['device']} ({report['threads']} threads), {report['date']}"
                    "\nx: no figure (error or time limit)")
-    axes.legend(fontsize=8, ncol=2)
+    axes.legend(handles=handles, fontsize=8, ncol=2)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
