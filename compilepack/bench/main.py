@@ -105,12 +105,19 @@ def _run_all(args, families, modes, workload, scratch: pathlib.Path, log_dir: pa
                 inductor_cache_dir=_cache_dir(args.inductor_cache, scratch, family, mode), profile=args.profile,
             )
             bar.set_postfix_str(f"{family} {mode}")
+            load_before = _load_average()
             result = runner(spec, args.mode_timeout, lambda phase: bar.set_postfix_str(f"{family} {mode}: {phase}"))
+            # other processes on the machine slow every figure: keep the load next to the figures it affected
+            result["load_avg"] = [load_before, _load_average()]
             result["timeout_s"] = args.mode_timeout if args.isolation == "process" else None
             results.append(result)
             bar.write(_one_line(result))
             bar.update()
     return results
+
+
+def _load_average() -> float | None:
+    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
 
 
 def _runner(isolation: str):

@@ -38,7 +38,8 @@ def markdown(report: dict) -> str:
         f"{report['threads']} threads on {report['cores']} cores; compile backend `{settings['compile_backend']}`; "
         f"{settings['config']} configs; {settings['tokens_per_step']} real tokens per step at most; "
         f"{settings['warmup_steps']} warm-up + {settings['steps']} timed steps per mode; "
-        f"inductor cache: {settings['inductor_cache']}; run wall time {report['wall_s']:.0f} s.",
+        f"inductor cache: {settings['inductor_cache']}; run wall time {report['wall_s']:.0f} s; "
+        f"1-minute load average during the modes {_load_range(report['results'])}.",
         "",
         _workload_line(report["workload"]),
         "",
@@ -63,6 +64,11 @@ def _profile_sections(results: list[dict]) -> list[str]:
                   "| op | self CPU ms | share | calls |", "|---|--:|--:|--:|"]
         lines += [f"| `{e['op']}` | {e['self_cpu_ms']:.0f} | {e['share']:.0%} | {e['calls']} |" for e in r["profile_top"]]
     return lines
+
+
+def _load_range(results: list[dict]) -> str:
+    loads = [x for r in results for x in (r.get("load_avg") or []) if x is not None]
+    return f"{min(loads):.1f}-{max(loads):.1f}" if loads else "unknown"
 
 
 def _workload_line(workload: dict) -> str:
