@@ -1,0 +1,103 @@
+"""Benchmark helper: stock transformers ``mamba_selective_scan`` vs ``compilepack::selective_scan_varlen``.
+
+Sizes of one small Mamba1 layer (hidden 256, expand 2): D = 512 channels, state N = 16, one packed row (b = 1),
+laid out as transformers' ``MambaMixer`` passes them (u, z, B, C are transposes of ``[b, T, ...]``
+projections). ``delta``, ``delta_bias`` and ``A`` are made as the model initialises them (softplus-ed dt in
+[0.001, 0.1], ``A = -[1..N]``). The stock function (the torch fallback behind ``mamba_selective_scan`` when
+mamba-ssm is absent: one Python step per token) runs on the packed row without boundaries (wrong, but the cost
+baseline).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+NAME = "selective_scan"
+
+
+def doc_lengths_of(T: int, n_docs: int, generator: torch.Generator) -> list[int]:
+    """``n_docs`` random positive lengths summing to ``T``."""
+    cuts = torch.randperm(T - 1, generator=generator)[: n_docs - 1].add(1).sort().values.tolist()
+    bounds = [0, *cuts, T]
+    return [end - start for start, end in zip(bounds[:-1], bounds[1:])]
+
+
+def setup(
+    T: int = 2048,
+    n_docs: int = 16,
+    device: str = "cpu",
+    seed: int = 0,
+    *,
+    dim: int = 512,
+    state_size: int = 16,
+) -> dict:
+    from transformers.models.mamba.modeling_mamba import mamba_selective_scan
+
+    from compilepack.ops.selective_scan import selective_scan_varlen
+
+    generator = torch.Generator().manual_seed(seed)
+    lengths = doc_lengths_of(T, n_docs, generator)
+    seq_idx = torch.repeat_interleave(torch.arange(n_docs), torch.tensor(lengths)).to(torch.int32)[None].to(device)
+    channel_last = lambda rows: torch.randn(1, T, rows, generator=generator).transpose(1, 2)  # noqa: E731
+    u, z = channel_last(dim), channel_last(dim)
+    B, C = channel_last(state_size), channel_last(state_size)
+    delta = torch.randn(1, dim, T, generator=generator) * 0.1
+    dt = torch.exp(torch.rand(dim, generator=generator) * (math.log(0.1) - math.log(0.001)) + math.log(0.001))
+    delta_bias = dt + torch.log(-torch.expm1(-dt))  # inverse softplus, as MambaMixer initialises dt_proj.bias
+    A = -torch.arange(1, state_size + 1, dtype=torch.float32).expand(dim, -1).contiguous()
+    D = torch.ones(dim)
+    inputs = [t.to(device).requires_grad_() for t in (u, delta, A, B, C, D, z, delta_bias)]
+
+    def stock():
+        u, delta, A, B, C, D, z, delta_bias = inputs
+        return mamba_selective_scan(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=True)
+
+    def packed():
+        u, delta, A, B, C, D, z, delta_bias = inputs
+        return selective_scan_varlen(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=True,
+                                     seq_idx=seq_idx)
+
+    return {"stock": stock, "packed": packed, "inputs": inputs}
+
+
+def _main() -> None:
+    """Stock vs packed on 2 threads. Timings alternate stock and packed so that load from other processes
+    hits both alike; each number is a median over repeats, the ratio the median of per-repeat ratios."""
+    import statistics
+    import sys
+    import time
+
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()  # the stock function warns once that mamba-ssm is not installed
+    torch.set_num_threads(2)
+    repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 9
+    only = sys.argv[2] if len(sys.argv) > 2 else None  # "fwd" or "fwd+bwd"
+
+    def once_ms(fn) -> float:
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+
+    case = setup()
+    grad = torch.randn_like(case["stock"]().detach())
+    modes = {"fwd": lambda fn: fn(), "fwd+bwd": lambda fn: fn().backward(grad)}
+    for mode, run in modes.items():
+        if only is not None and mode != only:
+            continue
+        times = {"stock": [], "packed": []}
+        for repeat in range(repeats):
+            for name in ("stock", "packed") if repeat % 2 else ("packed", "stock"):
+                for tensor in case["inputs"]:
+                    tensor.grad = None
+                times[name].append(once_ms(lambda: run(case[name])))
+        times = {name: values[2:] for name, values in times.items()}  # warm-up
+        ratio = statistics.median(p / s for p, s in zip(times["packed"], times["stock"]))
+        print(f"selective scan T=2048 16 docs {mode:>8}: stock {statistics.median(times['stock']):7.1f} ms  "
+              f"packed {statistics.median(times['packed']):7.1f} ms  ratio {ratio:.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    _main()
