@@ -1,5 +1,5 @@
-"""Core issues found while integrating. Fixed ones stay here as regression tests (bf16 autocast, patching after
-fully_shard); open ones are pinned as strict xfails that turn into failures once fixed.
+"""Core issues found while integrating, fixed, and kept as regression tests: bf16 autocast through packed
+attention, patching after fully_shard, and LoRA on Bamba's out_proj where the fused CUDA route would drop it.
 """
 
 from __future__ import annotations
@@ -107,14 +107,6 @@ def _bamba_fused_vs_unfused(route, lora_targets=None):
     return results
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the fused route reads out_proj.weight (PeftModel: the base weight) and applies it inside the kernel, "
-    "so LoRA on BambaMixer.out_proj is silently ignored on CUDA with mamba-ssm (stock transformers does the "
-    "same). Fix: take the unfused route (return None) unless out_proj is a plain nn.Linear; needs the module, "
-    "e.g. a BambaMixer forward wrapper that passes outproj_weight=None to decline. Fails with TypeError until "
-    "the kwargs gap pinned in tests/patches/test_mamba2_hybrids.py is fixed (then: AssertionError, LoRA lost).",
-)
 def test_bamba_fused_training_route_keeps_lora_on_out_proj(bamba_fused_route):
     pytest.importorskip("peft")
     (unfused_logits, unfused_grads), (fused_logits, fused_grads) = _bamba_fused_vs_unfused(

@@ -1,27 +1,17 @@
-"""Mamba2 families: what the registry-wide tests in test_families.py cannot see.
-
-Two gaps that need shared code (see each test's reason), pinned as strict xfails so they turn red when fixed:
-
-- on CUDA with mamba-ssm, a training forward sends every Mamba2 mixer's own arguments (``return_final_states``)
-  and the batch's kwargs (``cu_seq_lens_q``...) on to ``mamba2_split_conv1d_scan_varlen``, which accepts neither;
-- ``Mamba2ForCausalLM.forward`` does not pass its ``**kwargs`` to the backbone, so the boundaries never reach
-  ``Mamba2Model`` (the decoder): a Mamba2 family file cannot make the causal LM pack.
-"""
+"""Mamba2 families: what the registry-wide tests in test_families.py cannot see."""
 
 from __future__ import annotations
 
-import copy
-import types
 from unittest import mock
 
 import pytest
 import torch
-from transformers import Mamba2Config, Mamba2ForCausalLM
 
 from compilepack.backends import Backends
-from compilepack.patching import CAUSAL_CONV1D, MAMBA2_CHUNK_SCAN, MAMBA2_SPLIT_CONV1D_SCAN, Family, families
+from compilepack.patching import MAMBA2_SPLIT_CONV1D_SCAN, families, family_named
+from compilepack.patching.batch import _BRIDGE
 from compilepack.patching.rebind import innermost
-from tests.models import build_pair, hf_batch, logits_alone, max_diff_packed_vs_alone, random_docs
+from tests.models import build_pair, hf_batch, random_docs
 
 LENGTHS = [70, 1, 23, 5, 1, 40]
 FUSED = MAMBA2_SPLIT_CONV1D_SCAN.global_name
@@ -46,82 +36,29 @@ def _fused_calls(family) -> list[tuple[tuple, dict]]:
     rebound_globals = innermost(mixers[0].forward.__func__).__globals__
     patched.train()
     with mock.patch.dict(rebound_globals, {FUSED: record}):
-        patched(**hf_batch(random_docs(patched.config.vocab_size, LENGTHS)))
+        patched(**hf_batch(random_docs(patched.config.get_text_config().vocab_size, LENGTHS)))
     return calls
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason=(
-        "shared code: compilepack/patching/replacements.py _make_mamba2_split_conv1d_scan forwards **kwargs unfiltered "
-        "to ops.mamba2.mamba2_split_conv1d_scan_varlen, which takes neither return_final_states (every Mamba2 mixer "
-        "passes False) nor the collator's cu_seq_lens_q/_k, max_length_q/_k (nor Zamba2's position_embeddings)"
-    ),
-)
 @pytest.mark.parametrize("family", MAMBA2_FAMILIES)
-def test_fused_cuda_path_accepts_what_the_mixer_passes(family):
-    """Replays each recorded call through the replacement as if on CUDA with mamba-ssm and causal-conv1d; the op is
-    an autospec mock, so a keyword it does not accept raises TypeError as the real call would."""
+def test_packed_training_never_takes_the_fused_kernel(family):
+    """Even with CUDA and both kernel libraries, a packed call declines the fused kernel (it would be handed raw
+    weights and bypass adapters such as LoRA on out_proj): the mixer's unfused path, with compilepack's ops, runs."""
     calls = _fused_calls(family)
+    assert calls and all(kwargs.get("seq_idx") is not None for _, kwargs in calls)
     replacement = MAMBA2_SPLIT_CONV1D_SCAN.make(None, Backends(conv="causal_conv1d", ssd="mamba_ssm"))
-    on_cuda = types.SimpleNamespace(device=types.SimpleNamespace(type="cuda"))
     with mock.patch("compilepack.ops.mamba2.mamba2_split_conv1d_scan_varlen", autospec=True) as fused_op:
         for args, kwargs in calls:
-            replacement(on_cuda, *args[1:], **kwargs)
-    assert fused_op.call_count == len(calls) > 0
+            assert replacement(*args, **kwargs) is None
+    assert fused_op.call_count == 0
 
 
-# ------------------------------------------------------------------------------------------------ Mamba2 (pure)
-
-MAMBA2 = Family(  # not registered: the causal LM cannot be patched without a shared change (see below)
-    name="mamba2",
-    modeling="transformers.models.mamba2.modeling_mamba2",
-    decoder="Mamba2Model",
-    layers={"Mamba2Mixer": (CAUSAL_CONV1D, MAMBA2_CHUNK_SCAN, MAMBA2_SPLIT_CONV1D_SCAN)},
-    tiny_configs={
-        "ssm": lambda: Mamba2Config(
-            vocab_size=256, hidden_size=64, num_hidden_layers=2, num_heads=4, head_dim=32, n_groups=2,
-            state_size=16, conv_kernel=4, expand=2, chunk_size=64,
-        ),
-    },
-)
-
-
-def _mamba2_pair():
-    torch.manual_seed(0)
-    stock = Mamba2ForCausalLM(MAMBA2.tiny_config()).eval()
-    patched = copy.deepcopy(stock)
-    forwards = MAMBA2.forwards(Backends())
-    for module in patched.modules():
-        if type(module) in forwards:
-            module.forward = types.MethodType(forwards[type(module)], module)
-    return stock, patched
-
-
-def test_mamba2_decoder_packs_when_it_receives_the_boundaries():
-    """Everything below the causal-LM wrapper works: Mamba2Model given the batch equals each document alone."""
-    stock, patched = _mamba2_pair()
-    docs = random_docs(256, LENGTHS)
-    batch = hf_batch(docs)
+def test_mamba2_bridge_is_removed_after_each_call():
+    """Mamba2ForCausalLM hands the boundaries to its backbone through a temporary attribute: none is left behind."""
+    _, patched = build_pair(family_named("mamba2"))
+    batch = hf_batch(random_docs(256, LENGTHS))
     with torch.no_grad():
-        hidden = patched.backbone(**{k: v for k, v in batch.items() if k != "labels"}).last_hidden_state
-        packed = patched.lm_head(hidden).float()
-    assert max_diff_packed_vs_alone(packed, logits_alone(stock, docs), batch["cu_seq_lens_q"]) <= 1e-4
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "Mamba2ForCausalLM.forward calls self.backbone(...) without **kwargs: the boundary kwargs stop at the "
-        "wrapper, the decoder sees an unpacked row and the scan leaks across documents. Needs a shared-code way "
-        "to hand an entry class's boundary kwargs to the decoder (compilepack/patching/batch.py + family.py)"
-    ),
-)
-def test_mamba2_causal_lm_packed_logits_equal_each_document_alone():
-    stock, patched = _mamba2_pair()
-    docs = random_docs(256, LENGTHS)
-    batch = hf_batch(docs)
-    with torch.no_grad():
-        packed = patched(**batch).logits
-    assert max_diff_packed_vs_alone(packed, logits_alone(stock, docs), batch["cu_seq_lens_q"]) <= 1e-4
+        patched(**batch)
+        compiled = torch.compile(patched, backend="aot_eager", fullgraph=True, dynamic=True)
+        compiled(**batch)
+    assert _BRIDGE not in patched.backbone.__dict__
