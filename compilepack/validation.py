@@ -87,8 +87,8 @@ def _refuse_unmarked_packing(batch: Mapping) -> None:
         raise BoundaryError(
             f"'position_ids' restart inside a row (row {row}, token {column + 1}) but the batch carries no "
             f"boundary kwargs ('cu_seq_lens_q', ...): compilepack never infers boundaries from position_ids, so "
-            f"these documents would be mixed. {_FIX_COLLATE[0].upper()}{_FIX_COLLATE[1:]}, or add the boundaries "
-            f"on the host: batch.update(compilepack.Boundaries.from_position_ids(batch['position_ids']).as_kwargs())."
+            f"these documents would be mixed. Fix: {_FIX_COLLATE}, or wrap the collator with "
+            f"compilepack.integrations.with_boundaries (adds them on the host from position_ids)."
         )
 
 
