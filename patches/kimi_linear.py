@@ -1,0 +1,145 @@
+"""Kimi Linear: Kimi delta attention (KDA) layers (short causal conv1d on q, k, v + the per-channel gated delta
+rule) between MLA full-attention layers (no RoPE). MoE and dense MLP blocks mix no tokens and stay stock.
+
+Two globals need more than the shared replacements:
+
+- ``chunk_kimi_delta_attention`` (the KDA kernel) is replaced by ``compilepack::kimi_delta_attention_varlen`` on
+  ``cu_seq_lens_q`` (the layer forwards the collator's kwargs to it); CUDA backend: the gated-delta-rule kind's
+  choice (``fla``), as fla serves both.
+- MLA attention has a query/key head dim (``qk_nope_head_dim + qk_rope_head_dim``) different from its value
+  head dim, and ``compilepack::varlen_attention`` (the CPU flash kernel, flash-attn 2 and torch's varlen op alike)
+  needs one head dim: values are zero-padded to the query head dim on the packed path and the output cut back,
+  which is exact (the padded value columns only produce zero output columns).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch.nn.functional as F
+from transformers import KimiLinearConfig
+
+from compilepack.errors import BoundaryError
+from compilepack.patching import CAUSAL_CONV1D, Family, Replacement, register
+from compilepack.patching.replacements import packed_attention
+
+
+def _make_kimi_delta_attention(stock, backends):
+    def chunk_kimi_delta_attention(
+        query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+        use_qk_l2norm_in_kernel=False, **kwargs,
+    ):
+        cu_seqlens = kwargs.get("cu_seq_lens_q")
+        if cu_seqlens is None:
+            return stock(
+                query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
+                output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs,
+            )
+        if initial_state is not None or output_final_state:
+            raise BoundaryError(
+                "Kimi delta attention: a packed batch cannot start from or return a recurrent state (a cache); "
+                "packed forwards run with use_cache=False."
+            )
+        from compilepack.ops.kimi_delta_attention import kimi_delta_attention_varlen
+
+        out = kimi_delta_attention_varlen(
+            query, key, value, g, beta, cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            backend=backends.gated_delta,
+        )
+        return out, None
+
+    return chunk_kimi_delta_attention
+
+
+KIMI_DELTA_ATTENTION = Replacement(
+    "chunk_kimi_delta_attention",
+    _make_kimi_delta_attention,
+    ("query", "key", "value", "g", "beta", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel"),
+)
+
+
+class _MLAAttentionFunctions:
+    """``ALL_ATTENTION_FUNCTIONS`` for MLA: the shared packed attention, with values padded to the query head dim."""
+
+    def __init__(self, stock, backend: str):
+        self._stock = stock
+        self._backend = backend
+
+    def get_interface(self, attn_implementation, default):
+        stock_attention = self._stock.get_interface(attn_implementation, default)
+        return functools.partial(_mla_attention, stock_attention=stock_attention, backend=self._backend)
+
+    def __getitem__(self, attn_implementation):
+        return self.get_interface(attn_implementation, None)
+
+
+def _mla_attention(module, query, key, value, attention_mask, *, stock_attention, backend, **kwargs):
+    value_dim = value.shape[-1]
+    if value_dim == query.shape[-1]:
+        return packed_attention(
+            module, query, key, value, attention_mask, stock_attention=stock_attention, backend=backend, **kwargs
+        )
+    if value_dim > query.shape[-1]:
+        raise NotImplementedError(
+            f"{type(module).__name__}: value head dim {value_dim} > query head dim {query.shape[-1]} is not "
+            "supported on packed batches."
+        )
+    # the stock path (padded batches, cached decoding) gets the unpadded values back: stock semantics and cost
+    stock_on_unpadded = functools.partial(_with_values_cut, stock_attention, value_dim)
+    out, weights = packed_attention(
+        module, query, key, F.pad(value, (0, query.shape[-1] - value_dim)), attention_mask,
+        stock_attention=stock_on_unpadded, backend=backend, **kwargs,
+    )
+    return out[..., :value_dim], weights
+
+
+def _with_values_cut(stock_attention, value_dim, module, query, key, value, attention_mask, **kwargs):
+    return stock_attention(module, query, key, value[..., :value_dim], attention_mask, **kwargs)
+
+
+MLA_ATTENTION = Replacement("ALL_ATTENTION_FUNCTIONS", lambda stock, b: _MLAAttentionFunctions(stock, b.attention))
+
+
+register(
+    Family(
+        name="kimi_linear",
+        modeling="transformers.models.kimi_linear.modeling_kimi_linear",
+        decoder="KimiLinearModel",
+        layers={
+            "KimiLinearAttention": (MLA_ATTENTION,),
+            "KimiLinearDeltaAttention": (CAUSAL_CONV1D, KIMI_DELTA_ATTENTION),
+        },
+        tiny_configs={
+            "moe": lambda: KimiLinearConfig(
+                vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=4,
+                kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                linear_num_heads=4, linear_head_dim=16, linear_conv_kernel_dim=4,
+                num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                n_group=1, topk_group=1,
+                layer_types=["linear_attention", "full_attention", "linear_attention"],
+                mlp_layer_types=["dense", "sparse", "sparse"],
+                max_position_embeddings=2048, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            ),
+        },
+        bench_config=lambda: KimiLinearConfig(
+            vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=4,
+            kv_lora_rank=128, q_lora_rank=None, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
+            linear_num_heads=4, linear_head_dim=64, linear_conv_kernel_dim=4,
+            num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, n_shared_experts=1,
+            n_group=1, topk_group=1,
+            layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+            mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
+            max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        ),
+        kernels=(
+            "conv: causal-conv1d; KDA: fla chunk_kda (chunk_kda_fwd/bwd); MLA attention (values padded to the "
+            "q/k head dim): flash-attn / torch varlen"
+        ),
+        stock_packed=(
+            "position_ids only: silently wrong (KDA layers see one long sequence); with the collator's boundary "
+            "kwargs: ValueError (causal_conv1d_fn can't keep packed sequences apart)"
+        ),
+    )
+)
