@@ -40,6 +40,7 @@ CHUNK = 8  # the reference's chunk: exact for any value; small keeps the [C, C, 
 FLA_CHUNK = 64  # fla's default KDA chunk size (0.5 and 0.6 accept 32 or 64)
 L2NORM_EPS = 1e-6  # transformers' kimi l2norm and fla's l2norm_fwd use the same eps
 FLA_MODULE = "fla.ops.kda.chunk"  # holds chunk_kda_fwd/bwd and imports l2norm_fwd/bwd + prepare_chunk_indices
+FLA_MAX_K = 256  # fla's chunk_kda asserts K <= 256; larger key heads run the reference on CUDA too
 
 
 def kimi_delta_attention_varlen(
@@ -127,9 +128,14 @@ def _kda_op(
     backend: str,
 ) -> tuple[Tensor, list[Tensor]]:
     """Returns ``o`` and the tensors the backward needs (which ones depends on the path, see ``_saved_like``)."""
-    if backends.use_kernel(q, backend):
+    if _uses_fla(q, backend):
         return _kernel_forward(q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale)
     return _reference_forward(q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale)
+
+
+def _uses_fla(q: Tensor, backend: str) -> bool:
+    """Whether fla runs (decided from static facts: device type, backend name, key head dim)."""
+    return backends.use_kernel(q, backend) and q.shape[-1] <= FLA_MAX_K
 
 
 @_kda_op.register_fake
@@ -141,7 +147,7 @@ def _saved_like(q: Tensor, k: Tensor, v: Tensor, use_qk_l2norm: bool, backend: s
     """Empty tensors shaped like what each path saves (decided from static facts, like the dispatch)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2:]
-    if backends.use_kernel(q, backend):
+    if _uses_fla(q, backend):
         # fla's ChunkKDAFunction saves: normalised q, k with their rstd, the chunk-local cumsum of g, Aqk, Akk
         norms = [q.new_empty(q.shape), q.new_empty(B, T, H, dtype=torch.float32)] if use_qk_l2norm else []
         norms += [k.new_empty(k.shape), k.new_empty(B, T, H, dtype=torch.float32)] if use_qk_l2norm else []
@@ -170,7 +176,7 @@ def _kda_backward_op(
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients ``(dq, dk, dv, dg, dbeta)``, each contiguous, shaped and typed like its input."""
-    if backends.use_kernel(q, backend):
+    if _uses_fla(q, backend):
         return _kernel_backward(do, q, k, v, g, beta, cu_seqlens, saved, use_qk_l2norm, scale)
     return _reference_backward(do, q, k, v, g, beta, cu_seqlens, saved, use_qk_l2norm, scale)
 

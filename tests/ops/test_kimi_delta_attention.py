@@ -369,6 +369,16 @@ def test_fla_path_flattens_batch_rows_and_passes_opcheck(fake_fla):
     torch.library.opcheck(kda._kda_backward_op, (*plain, cu, saved, True, K**-0.5, "fla"))
 
 
+def test_fla_path_runs_the_reference_for_key_heads_over_256(fake_fla):
+    """fla's chunk_kda asserts K <= 256: larger key heads run the reference, also on CUDA."""
+    inputs = make_inputs(12, seed=8, dims=(320, 8))
+    fake_fla["fla"] = fake = FakeFla(12)
+    o, grads, _ = run_op(inputs, cu_seqlens_of([5, 7]), use_qk_l2norm_in_kernel=True, backend="fla")
+    o_ref, grads_ref, _ = run_op(inputs, cu_seqlens_of([5, 7]), use_qk_l2norm_in_kernel=True)
+    assert fake.calls == []
+    assert torch.equal(o, o_ref) and all(torch.equal(a, b) for a, b in zip(grads, grads_ref))
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Errors checkable from shapes and dtypes
 # --------------------------------------------------------------------------------------------------------------
