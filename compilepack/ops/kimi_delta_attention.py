@@ -434,8 +434,9 @@ def _kernel_forward(q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale):
             q1, q_rstd = fla.l2norm_fwd(q1)
             k1, k_rstd = fla.l2norm_fwd(k1)
             norms = [q1, q_rstd, k1, k_rstd]
-        # fla builds chunk indices with a host sync (repeat_interleave on device counts); its tensor_cache keys
-        # them on the cu_seqlens object, so layers sharing one cu_seqlens tensor pay it once per step.
+        # fla builds chunk indices with a host sync (0.6: repeat_interleave on device counts; 0.5: .tolist());
+        # its tensor_cache keys them on the cu_seqlens object, so layers sharing one cu_seqlens tensor pay it
+        # once per step. (0.6's sync-free use_graph mode, prepare_chunk_indices_static, has no 0.5 counterpart.)
         chunk_indices = fla.prepare_chunk_indices(cu_seqlens, FLA_CHUNK)
         o, _, g_cum, Aqk, Akk = fla.chunk_kda_fwd(
             q=q1, k=k1, v=v1, g=g1, beta=beta1, scale=scale, initial_state=None, output_final_state=False,
