@@ -194,6 +194,22 @@ def test_zero_length_documents_change_nothing():
         assert torch.equal(got, ref)
 
 
+def test_chunk_loops_run_on_one_thread_when_small_and_restore_the_thread_count(monkeypatch):
+    seen = []
+    loop = kda._chunk_start_states
+    monkeypatch.setattr(kda, "_chunk_start_states", lambda *a: (seen.append(torch.get_num_threads()), loop(*a))[1])
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        run_op(make_inputs(40), cu_seqlens_of([15, 25]))
+        assert seen == [1] and torch.get_num_threads() == 2
+        monkeypatch.setattr(kda, "SERIAL_LOOP_MAX_WORK", 1)  # every loop "large": threads untouched
+        run_op(make_inputs(40), cu_seqlens_of([15, 25]))
+        assert seen == [1, 2] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_bfloat16_inputs_keep_their_dtype():
     inputs = make_inputs(40, dtype=torch.bfloat16)
     o, grads, _ = run_op(inputs, cu_seqlens_of([15, 25]), use_qk_l2norm_in_kernel=True)
