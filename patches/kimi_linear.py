@@ -1,27 +1,18 @@
 """Kimi Linear: Kimi delta attention (KDA) layers (short causal conv1d on q, k, v + the per-channel gated delta
 rule) between MLA full-attention layers (no RoPE). MoE and dense MLP blocks mix no tokens and stay stock.
 
-Two globals need more than the shared replacements:
-
-- ``chunk_kimi_delta_attention`` (the KDA kernel) is replaced by ``compilepack::kimi_delta_attention_varlen`` on
-  ``cu_seq_lens_q`` (the layer forwards the collator's kwargs to it); CUDA backend: the gated-delta-rule kind's
-  choice (``fla``), as fla serves both.
-- MLA attention has a query/key head dim (``qk_nope_head_dim + qk_rope_head_dim``) different from its value
-  head dim, and ``compilepack::varlen_attention`` (the CPU flash kernel, flash-attn 2 and torch's varlen op alike)
-  needs one head dim: values are zero-padded to the query head dim on the packed path and the output cut back,
-  which is exact (the padded value columns only produce zero output columns).
+``chunk_kimi_delta_attention`` (the KDA kernel) is replaced by ``compilepack::kimi_delta_attention_varlen`` on
+``cu_seq_lens_q`` (the layer forwards the collator's kwargs to it); CUDA backend: the gated-delta-rule kind's
+choice (``fla``), as fla serves both. MLA attention's value head dim differs from its query/key head dim; the
+shared attention op pads to one head dim internally.
 """
 
 from __future__ import annotations
 
-import functools
-
-import torch.nn.functional as F
 from transformers import KimiLinearConfig
 
 from compilepack.errors import BoundaryError
-from compilepack.patching import CAUSAL_CONV1D, Family, Replacement, register
-from compilepack.patching.replacements import packed_attention
+from compilepack.patching import ATTENTION, CAUSAL_CONV1D, Family, Replacement, register
 
 
 def _make_kimi_delta_attention(stock, backends):
@@ -58,55 +49,13 @@ KIMI_DELTA_ATTENTION = Replacement(
 )
 
 
-class _MLAAttentionFunctions:
-    """``ALL_ATTENTION_FUNCTIONS`` for MLA: the shared packed attention, with values padded to the query head dim."""
-
-    def __init__(self, stock, backend: str):
-        self._stock = stock
-        self._backend = backend
-
-    def get_interface(self, attn_implementation, default):
-        stock_attention = self._stock.get_interface(attn_implementation, default)
-        return functools.partial(_mla_attention, stock_attention=stock_attention, backend=self._backend)
-
-    def __getitem__(self, attn_implementation):
-        return self.get_interface(attn_implementation, None)
-
-
-def _mla_attention(module, query, key, value, attention_mask, *, stock_attention, backend, **kwargs):
-    value_dim = value.shape[-1]
-    if value_dim == query.shape[-1]:
-        return packed_attention(
-            module, query, key, value, attention_mask, stock_attention=stock_attention, backend=backend, **kwargs
-        )
-    if value_dim > query.shape[-1]:
-        raise NotImplementedError(
-            f"{type(module).__name__}: value head dim {value_dim} > query head dim {query.shape[-1]} is not "
-            "supported on packed batches."
-        )
-    # the stock path (padded batches, cached decoding) gets the unpadded values back: stock semantics and cost
-    stock_on_unpadded = functools.partial(_with_values_cut, stock_attention, value_dim)
-    out, weights = packed_attention(
-        module, query, key, F.pad(value, (0, query.shape[-1] - value_dim)), attention_mask,
-        stock_attention=stock_on_unpadded, backend=backend, **kwargs,
-    )
-    return out[..., :value_dim], weights
-
-
-def _with_values_cut(stock_attention, value_dim, module, query, key, value, attention_mask, **kwargs):
-    return stock_attention(module, query, key, value[..., :value_dim], attention_mask, **kwargs)
-
-
-MLA_ATTENTION = Replacement("ALL_ATTENTION_FUNCTIONS", lambda stock, b: _MLAAttentionFunctions(stock, b.attention))
-
-
 register(
     Family(
         name="kimi_linear",
         modeling="transformers.models.kimi_linear.modeling_kimi_linear",
         decoder="KimiLinearModel",
         layers={
-            "KimiLinearAttention": (MLA_ATTENTION,),
+            "KimiLinearAttention": (ATTENTION,),
             "KimiLinearDeltaAttention": (CAUSAL_CONV1D, KIMI_DELTA_ATTENTION),
         },
         tiny_configs={
@@ -135,7 +84,7 @@ register(
         ),
         kernels=(
             "conv: causal-conv1d; KDA: fla chunk_kda (chunk_kda_fwd/bwd); MLA attention (values padded to the "
-            "q/k head dim): flash-attn / torch varlen"
+            "q/k head dim inside the op): flash-attn / torch varlen"
         ),
         stock_packed=(
             "position_ids only: silently wrong (KDA layers see one long sequence); with the collator's boundary "

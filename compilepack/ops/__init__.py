@@ -7,11 +7,13 @@ library chosen at ``patch()`` time. Importing this package registers the ops; it
 from .attention import varlen_attention
 from .causal_conv1d import causal_conv1d_varlen
 from .gated_delta_rule import gated_delta_rule_varlen
+from .kimi_delta_attention import kimi_delta_attention_varlen
 from .mamba2 import mamba2_chunk_scan_varlen, mamba2_split_conv1d_scan_varlen
 
 __all__ = [
     "causal_conv1d_varlen",
     "gated_delta_rule_varlen",
+    "kimi_delta_attention_varlen",
     "mamba2_chunk_scan_varlen",
     "mamba2_split_conv1d_scan_varlen",
     "varlen_attention",

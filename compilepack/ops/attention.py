@@ -2,7 +2,8 @@
 
 Layout follows flash-attn's varlen functions: tokens of all documents are concatenated along dim 0.
 
-- ``q``: ``[T, H, D]``; ``k``: ``[T, Hkv, D]``; ``v``: ``[T, Hkv, Dv]`` with ``H`` a multiple of ``Hkv`` (GQA)
+- ``q``: ``[T, H, D]``; ``k``: ``[T, Hkv, D]``; ``v``: ``[T, Hkv, Dv]`` with ``H`` a multiple of ``Hkv`` (GQA);
+  ``Dv`` may differ from ``D`` (MLA): the public function pads to one head dim, exactly
 - ``cu_seqlens``: ``int32 [N+1]``, document ``i`` is tokens ``cu_seqlens[i]:cu_seqlens[i+1]``
 - ``max_seqlen``: Python int, an upper bound of the longest document (the row length is always safe)
 - returns ``[T, H, Dv]``
@@ -57,10 +58,23 @@ def varlen_attention(
     _check_shapes(q, k, v, cu_seqlens)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     window_left = NO_WINDOW if window is None else int(window) - 1
+    q, k, v, value_dim = _common_head_dim(q, k, v)
     out, _lse = torch.ops.compilepack.varlen_attention(
         q, k, v, cu_seqlens, max_seqlen, causal, scale, window_left, backend
     )
-    return out
+    return out[..., :value_dim]
+
+
+def _common_head_dim(q, k, v):
+    """Zero-pad q/k or v to one head dim (MLA: values narrower than queries). The flash kernels (CPU, flash-attn
+    2, torch varlen) take a single head dim; zero query/key columns add nothing to the scores and zero value
+    columns only produce output columns that are cut off, so the result and its gradients are exact."""
+    head_dim, value_dim = q.shape[-1], v.shape[-1]
+    if value_dim < head_dim:
+        v = torch.nn.functional.pad(v, (0, head_dim - value_dim))
+    elif head_dim < value_dim:
+        q, k = (torch.nn.functional.pad(x, (0, value_dim - head_dim)) for x in (q, k))
+    return q, k, v, value_dim
 
 
 def _check_shapes(q, k, v, cu_seqlens) -> None:

@@ -78,6 +78,21 @@ def test_bidirectional_and_head_layouts(heads, kv_heads):
     _check_against_alone([9, 1, 17], heads=heads, kv_heads=kv_heads)
 
 
+@pytest.mark.parametrize("value_dim", [8, 24])
+def test_value_head_dim_may_differ_from_the_query_head_dim(value_dim):
+    """MLA layers use narrower values than queries; the op pads to one head dim internally, exactly."""
+    lengths = [7, 1, 12]
+    q, k, _ = _inputs(lengths)
+    v = torch.randn(sum(lengths), KV_HEADS, value_dim, requires_grad=True)
+    out = varlen_attention(q, k, v, cu_seqlens_of(lengths), 12)
+    assert out.shape == (sum(lengths), HEADS, value_dim)
+    expected = _alone(q, k, v, lengths)
+    assert (out - expected).abs().max().item() <= TOLERANCE
+    grad = torch.randn_like(out)
+    for g, w in zip(torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(expected, (q, k, v), grad)):
+        assert (g - w).abs().max().item() <= TOLERANCE
+
+
 def test_zero_length_documents_are_skipped():
     lengths = [5, 0, 7, 0, 0]
     q, k, v = _inputs(lengths)

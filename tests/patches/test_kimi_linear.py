@@ -65,11 +65,8 @@ def test_kda_replacement_refuses_a_recurrent_state_with_boundaries():
     assert out.shape == (1, 10, 2, 8) and state is None
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="shared op limitation, worked around in patches/kimi_linear.py")
 def test_varlen_attention_takes_a_value_head_dim_unlike_the_query_head_dim():
-    """``compilepack::varlen_attention`` documents ``v [T, Hkv, Dv]`` but its CPU reference (the CPU flash kernel)
-    rejects ``Dv != D`` ("Q/K/V should have the same head size"), as do flash-attn 2 and torch's varlen op on CUDA.
-    The Kimi patch pads values to D; this test flips to passing when the op pads internally."""
+    """MLA: ``compilepack::varlen_attention`` takes ``v [T, Hkv, Dv]`` with ``Dv != D`` (it pads internally)."""
     q, k = torch.randn(10, 2, 24), torch.randn(10, 2, 24)
     v = torch.randn(10, 2, 16)
     out = varlen_attention(q, k, v, torch.tensor([0, 4, 10], dtype=torch.int32), 6)
