@@ -5,7 +5,10 @@ laid out as transformers' ``MambaMixer`` passes them (u, z, B, C are transposes 
 projections). ``delta``, ``delta_bias`` and ``A`` are made as the model initialises them (softplus-ed dt in
 [0.001, 0.1], ``A = -[1..N]``). The stock function (the torch fallback behind ``mamba_selective_scan`` when
 mamba-ssm is absent: one Python step per token) runs on the packed row without boundaries (wrong, but the cost
-baseline).
+baseline). Its backward is slow: each token's ``discrete_A[:, :, t]`` / ``deltaB_u[:, :, t]`` read puts a
+full-size zero-filled gradient buffer into autograd, so one stock forward+backward at T=2048 takes 1.5-3.5
+minutes on 2 CPU cores (measured); time this op with few repeats (``bench_ops.py --ops selective_scan
+--repeats 3 --warmup 1``, or ``python benchmarks/ops/selective_scan.py 3 fwd+bwd``).
 """
 
 from __future__ import annotations
@@ -93,7 +96,7 @@ def _main() -> None:
                 for tensor in case["inputs"]:
                     tensor.grad = None
                 times[name].append(once_ms(lambda: run(case[name])))
-        times = {name: values[2:] for name, values in times.items()}  # warm-up
+        times = {name: values[1:] for name, values in times.items()}  # warm-up
         ratio = statistics.median(p / s for p, s in zip(times["packed"], times["stock"]))
         print(f"selective scan T=2048 16 docs {mode:>8}: stock {statistics.median(times['stock']):7.1f} ms  "
               f"packed {statistics.median(times['packed']):7.1f} ms  ratio {ratio:.2f}", flush=True)

@@ -1,11 +1,13 @@
 """``compilepack::selective_scan_varlen``: the Mamba1 selective scan with document resets.
 
 Tolerances: the exactness tests run in float64, where the packed scan and each document scanned alone agree
-to ~1e-13 (measured; the blocked scan only reassociates the recurrence's products and sums); 1e-9 absolute
-leaves room. Comparisons with transformers' torch scan (one step per token, float32) are relative to the
-largest magnitude of the tensor compared, because outputs and gradients are sums of exponentially weighted
-products whose size grows with the document length: a fixed absolute bound would be loose on small values or
-fail on large ones. Measured at T = 200-300: float32 op vs float32 stock 1e-7 to 1e-6 relative; we allow 1e-5.
+to 5e-15 (outputs) and 3e-13 (dA, a sum over every token) absolute, measured on 9 documents of 1-300 tokens;
+the blocked scan only reassociates the recurrence's products and sums. 1e-9 absolute leaves room. Comparisons
+with transformers' torch scan (one step per token, float32) are relative to the largest magnitude of the tensor
+compared, because outputs and gradients are sums of exponentially weighted products whose size grows with the
+document length: a fixed absolute bound would be loose on small values or fail on large ones. Measured on 512
+tokens in 6 documents: float32 op vs float32 stock 0.6-1.7e-7 relative, each of them 0.6-2e-7 off the float64
+op; we allow 1e-5.
 """
 
 from __future__ import annotations
