@@ -46,6 +46,11 @@ class Family:
             would compute its own.
         kwargs_bridges: wrapper class name -> attribute of the decoder it calls without ``**kwargs``
             (``{"Mamba2ForCausalLM": "backbone"}``): the boundary kwargs are carried across that call.
+        boundary_calls: class name -> calls in its forward, as written (``"self.mixer"``,
+            ``"mamba_selective_scan"``), that must also receive the batch's boundary kwargs (taken from the
+            forward's own ``**kwargs``): for stacks that drop ``**kwargs`` between layers, or on the way from a
+            mixer to its kernel (the Mamba1 models). The classes need no other entry. Never name a call that
+            already passes ``**kwargs``.
         tiny_builders: variant -> transformers class name used to build it (default ``AutoModelForCausalLM``).
         bench_config: a small but realistic config (a few million parameters) for ``python -m compilepack
             bench``; defaults to the first tiny config.
@@ -61,6 +66,7 @@ class Family:
     model_types: tuple[str, ...] = ()
     entries: tuple[str, ...] = ()
     kwargs_bridges: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    boundary_calls: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     tiny_builders: Mapping[str, str] = dataclasses.field(default_factory=dict)
     bench_config: Callable[[], transformers.PretrainedConfig] | None = None
     kernels: str = ""
@@ -152,11 +158,14 @@ def _patched_forwards(family: Family, backends: Backends) -> dict[type, Callable
         if missing:
             raise _incompatible(family, f"{class_name}.forward no longer calls {', '.join(missing)}")
         plan[cls] = tuple(needed)
+    for class_name in family.boundary_calls:
+        plan.setdefault(_class(stock, class_name), ())
     everything = {r.global_name: r for needed in plan.values() for r in needed}
     rebound = rebound_module(
         stock, {name: _build(family, stock, r, backends) for name, r in everything.items()}, key=(backends,)
     )
-    forwards = {cls: with_globals(cls.forward, rebound) for cls in plan}
+    forwards = {cls: with_globals(cls.forward, rebound, tuple(family.boundary_calls.get(cls.__name__, ())))
+                for cls in plan}
     for forward in forwards.values():
         innermost(forward).__compilepack__ = True
     forwards[decoder_cls] = packed_decoder_forward(forwards[decoder_cls], _parameter_names(decoder_cls.forward))
