@@ -1,5 +1,5 @@
-"""Falcon-H1: every layer runs a Mamba2 mixer (causal conv1d + SSD chunk scan; mamba-ssm's fused kernel when
-training on CUDA) and an attention block side by side on the same input.
+"""Falcon-H1: every layer runs a Mamba2 mixer (causal conv1d + SSD chunk scan; packed batches take the unfused
+path) and an attention block side by side on the same input.
 
 The decoder hands both the same kwargs (the boundaries included).
 """
@@ -40,8 +40,8 @@ register(
             max_position_embeddings=4096,
         ),
         kernels=(
-            "conv: causal-conv1d; scan: mamba-ssm mamba_chunk_scan_combined (training: fused "
-            "mamba_split_conv1d_scan_combined); attention: flash-attn / torch varlen"
+            "conv: causal-conv1d causal_conv1d_fn(seq_idx); scan: mamba-ssm mamba_chunk_scan_combined(seq_idx); "
+            "attention: flash-attn / torch varlen"
         ),
         stock_packed=(
             "position_ids only: silently wrong (the Mamba2 half of every layer scans one long sequence); with the "

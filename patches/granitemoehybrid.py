@@ -1,5 +1,5 @@
-"""Granite 4.0 hybrid (GraniteMoeHybrid): Mamba2 mixers (causal conv1d + SSD chunk scan; mamba-ssm's fused kernel
-when training on CUDA) between attention layers, with MoE or dense MLPs that mix no tokens.
+"""Granite 4.0 hybrid (GraniteMoeHybrid): Mamba2 mixers (causal conv1d + SSD chunk scan; packed batches take the unfused
+path) between attention layers, with MoE or dense MLPs that mix no tokens.
 
 The mixer is Bamba's line for line; the decoder passes its kwargs (the boundaries included) to every layer.
 """
@@ -50,8 +50,8 @@ register(
             mamba_chunk_size=128, max_position_embeddings=4096,
         ),
         kernels=(
-            "conv: causal-conv1d; scan: mamba-ssm mamba_chunk_scan_combined (training: fused "
-            "mamba_split_conv1d_scan_combined); attention: flash-attn / torch varlen"
+            "conv: causal-conv1d causal_conv1d_fn(seq_idx); scan: mamba-ssm mamba_chunk_scan_combined(seq_idx); "
+            "attention: flash-attn / torch varlen"
         ),
         stock_packed=(
             "position_ids only: silently wrong (Mamba2 layers scan one long sequence); with the collator's "

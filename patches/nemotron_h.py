@@ -1,5 +1,5 @@
-"""Nemotron-H: a stack of single-mixer blocks, Mamba2 (causal conv1d + SSD chunk scan; mamba-ssm's fused kernel
-when training on CUDA), attention (no positional embedding), MLP or MoE.
+"""Nemotron-H: a stack of single-mixer blocks, Mamba2 (causal conv1d + SSD chunk scan; packed batches take the unfused
+path), attention (no positional embedding), MLP or MoE.
 
 Only the Mamba2 and attention blocks mix tokens; the decoder hands them its kwargs (the boundaries included).
 """
@@ -42,8 +42,8 @@ register(
             chunk_size=128, max_position_embeddings=4096,
         ),
         kernels=(
-            "conv: causal-conv1d; scan: mamba-ssm mamba_chunk_scan_combined (training: fused "
-            "mamba_split_conv1d_scan_combined); attention: flash-attn / torch varlen"
+            "conv: causal-conv1d causal_conv1d_fn(seq_idx); scan: mamba-ssm mamba_chunk_scan_combined(seq_idx); "
+            "attention: flash-attn / torch varlen"
         ),
         stock_packed=(
             "position_ids only: silently wrong (Mamba2 blocks scan one long sequence); with the collator's "

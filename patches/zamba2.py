@@ -1,4 +1,4 @@
-"""Zamba2: Mamba2 layers (causal conv1d + SSD chunk scan; mamba-ssm's fused kernel when training on CUDA), some
+"""Zamba2: Mamba2 layers (causal conv1d + SSD chunk scan; packed batches take the unfused path), some
 preceded by a shared attention block (weights tied across its uses, per-use LoRA-style adapters).
 
 The decoder calls every layer with its kwargs (the boundaries included); the hybrid layer passes them to both
@@ -43,8 +43,8 @@ register(
             use_shared_attention_adapter=True, adapter_rank=32, use_mem_rope=True, max_position_embeddings=4096,
         ),
         kernels=(
-            "conv: causal-conv1d; scan: mamba-ssm mamba_chunk_scan_combined (training: fused "
-            "mamba_split_conv1d_scan_combined); attention: flash-attn / torch varlen"
+            "conv: causal-conv1d causal_conv1d_fn(seq_idx); scan: mamba-ssm mamba_chunk_scan_combined(seq_idx); "
+            "attention: flash-attn / torch varlen"
         ),
         stock_packed=(
             "position_ids only: silently wrong (Mamba2 layers scan one long sequence); with the collator's "
