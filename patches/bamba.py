@@ -5,14 +5,7 @@ causal-conv1d's and mamba-ssm's kernels with document resets."""
 
 from transformers import BambaConfig
 
-from compilepack.patching import (
-    ATTENTION,
-    CAUSAL_CONV1D,
-    MAMBA2_CHUNK_SCAN,
-    MAMBA2_SPLIT_CONV1D_SCAN,
-    Family,
-    register,
-)
+from compilepack.patching import ATTENTION, Family, MAMBA2_MIXER, register
 
 register(
     Family(
@@ -21,7 +14,7 @@ register(
         decoder="BambaModel",
         layers={
             "BambaAttention": (ATTENTION,),
-            "BambaMixer": (CAUSAL_CONV1D, MAMBA2_CHUNK_SCAN, MAMBA2_SPLIT_CONV1D_SCAN),
+            "BambaMixer": MAMBA2_MIXER,
         },
         tiny_configs={
             "hybrid": lambda: BambaConfig(

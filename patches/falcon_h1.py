@@ -6,14 +6,7 @@ The decoder hands both the same kwargs (the boundaries included).
 
 from transformers import FalconH1Config
 
-from compilepack.patching import (
-    ATTENTION,
-    CAUSAL_CONV1D,
-    MAMBA2_CHUNK_SCAN,
-    MAMBA2_SPLIT_CONV1D_SCAN,
-    Family,
-    register,
-)
+from compilepack.patching import ATTENTION, Family, MAMBA2_MIXER, register
 
 register(
     Family(
@@ -22,7 +15,7 @@ register(
         decoder="FalconH1Model",
         layers={
             "FalconH1Attention": (ATTENTION,),
-            "FalconH1Mixer": (CAUSAL_CONV1D, MAMBA2_CHUNK_SCAN, MAMBA2_SPLIT_CONV1D_SCAN),
+            "FalconH1Mixer": MAMBA2_MIXER,
         },
         tiny_configs={
             # every layer is hybrid (attention + Mamba2 in parallel); the gate multiplies after the scan

@@ -6,14 +6,7 @@ The mixer is Bamba's line for line; the decoder passes its kwargs (the boundarie
 
 from transformers import GraniteMoeHybridConfig
 
-from compilepack.patching import (
-    ATTENTION,
-    CAUSAL_CONV1D,
-    MAMBA2_CHUNK_SCAN,
-    MAMBA2_SPLIT_CONV1D_SCAN,
-    Family,
-    register,
-)
+from compilepack.patching import ATTENTION, Family, MAMBA2_MIXER, register
 
 _TINY = dict(
     vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -29,7 +22,7 @@ register(
         decoder="GraniteMoeHybridModel",
         layers={
             "GraniteMoeHybridAttention": (ATTENTION,),
-            "GraniteMoeHybridMambaLayer": (CAUSAL_CONV1D, MAMBA2_CHUNK_SCAN, MAMBA2_SPLIT_CONV1D_SCAN),
+            "GraniteMoeHybridMambaLayer": MAMBA2_MIXER,
         },
         tiny_configs={
             # RoPE (as some checkpoints use): positions must restart per document too

@@ -6,7 +6,7 @@ that call (``kwargs_bridges``); the backbone is the decoder.
 
 from transformers import Mamba2Config
 
-from compilepack.patching import CAUSAL_CONV1D, MAMBA2_CHUNK_SCAN, MAMBA2_SPLIT_CONV1D_SCAN, Family, register
+from compilepack.patching import Family, MAMBA2_MIXER, register
 
 register(
     Family(
@@ -14,7 +14,7 @@ register(
         modeling="transformers.models.mamba2.modeling_mamba2",
         decoder="Mamba2Model",
         kwargs_bridges={"Mamba2ForCausalLM": "backbone"},
-        layers={"Mamba2Mixer": (CAUSAL_CONV1D, MAMBA2_CHUNK_SCAN, MAMBA2_SPLIT_CONV1D_SCAN)},
+        layers={"Mamba2Mixer": MAMBA2_MIXER},
         tiny_configs={
             "ssm": lambda: Mamba2Config(
                 vocab_size=256, hidden_size=64, num_hidden_layers=2, num_heads=4, head_dim=32, n_groups=2,

@@ -6,14 +6,7 @@ Only the Mamba2 and attention blocks mix tokens; the decoder hands them its kwar
 
 from transformers import NemotronHConfig
 
-from compilepack.patching import (
-    ATTENTION,
-    CAUSAL_CONV1D,
-    MAMBA2_CHUNK_SCAN,
-    MAMBA2_SPLIT_CONV1D_SCAN,
-    Family,
-    register,
-)
+from compilepack.patching import ATTENTION, Family, MAMBA2_MIXER, register
 
 register(
     Family(
@@ -22,7 +15,7 @@ register(
         decoder="NemotronHModel",
         layers={
             "NemotronHAttention": (ATTENTION,),
-            "NemotronHMamba2Mixer": (CAUSAL_CONV1D, MAMBA2_CHUNK_SCAN, MAMBA2_SPLIT_CONV1D_SCAN),
+            "NemotronHMamba2Mixer": MAMBA2_MIXER,
         },
         tiny_configs={
             # one block of each type: Mamba2, MoE, attention, MLP ("ME*-")

@@ -7,7 +7,7 @@ kwargs (``seq_idx`` included) to the conv: both reach compilepack's ops.
 
 from transformers import OlmoHybridConfig
 
-from compilepack.patching import ATTENTION, CAUSAL_CONV1D, GATED_DELTA_RULE, Family, register
+from compilepack.patching import ATTENTION, Family, GATED_DELTANET, register
 
 register(
     Family(
@@ -16,7 +16,7 @@ register(
         decoder="OlmoHybridModel",
         layers={
             "OlmoHybridAttention": (ATTENTION,),
-            "OlmoHybridGatedDeltaNet": (CAUSAL_CONV1D, GATED_DELTA_RULE),
+            "OlmoHybridGatedDeltaNet": GATED_DELTANET,
         },
         tiny_configs={
             "hybrid": lambda: OlmoHybridConfig(

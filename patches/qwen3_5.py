@@ -6,7 +6,7 @@ kwargs, never from positions.
 
 from transformers import Qwen3_5Config, Qwen3_5TextConfig
 
-from compilepack.patching import ATTENTION, CAUSAL_CONV1D, GATED_DELTA_RULE, Family, register
+from compilepack.patching import ATTENTION, Family, GATED_DELTANET, register
 
 _TEXT = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
@@ -25,7 +25,7 @@ register(
         entries=("Qwen3_5Model",),
         layers={
             "Qwen3_5Attention": (ATTENTION,),
-            "Qwen3_5GatedDeltaNet": (CAUSAL_CONV1D, GATED_DELTA_RULE),
+            "Qwen3_5GatedDeltaNet": GATED_DELTANET,
         },
         tiny_configs={
             "text": lambda: Qwen3_5TextConfig(**_TEXT),

@@ -7,7 +7,7 @@ position_ids may have several rows (multimodal RoPE): document boundaries come o
 
 from transformers import Qwen3_5MoeConfig, Qwen3_5MoeTextConfig
 
-from compilepack.patching import ATTENTION, CAUSAL_CONV1D, GATED_DELTA_RULE, Family, register
+from compilepack.patching import ATTENTION, Family, GATED_DELTANET, register
 
 _TEXT = dict(
     vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -26,7 +26,7 @@ register(
         entries=("Qwen3_5MoeModel",),
         layers={
             "Qwen3_5MoeAttention": (ATTENTION,),
-            "Qwen3_5MoeGatedDeltaNet": (CAUSAL_CONV1D, GATED_DELTA_RULE),
+            "Qwen3_5MoeGatedDeltaNet": GATED_DELTANET,
         },
         tiny_configs={
             "text": lambda: Qwen3_5MoeTextConfig(**_TEXT),

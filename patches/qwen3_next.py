@@ -5,7 +5,7 @@ The MoE blocks mix no tokens across positions and stay stock.
 
 from transformers import Qwen3NextConfig
 
-from compilepack.patching import ATTENTION, CAUSAL_CONV1D, GATED_DELTA_RULE, Family, register
+from compilepack.patching import ATTENTION, Family, GATED_DELTANET, register
 
 register(
     Family(
@@ -14,7 +14,7 @@ register(
         decoder="Qwen3NextModel",
         layers={
             "Qwen3NextAttention": (ATTENTION,),
-            "Qwen3NextGatedDeltaNet": (CAUSAL_CONV1D, GATED_DELTA_RULE),
+            "Qwen3NextGatedDeltaNet": GATED_DELTANET,
         },
         tiny_configs={
             "moe": lambda: Qwen3NextConfig(

@@ -7,14 +7,7 @@ the shared attention block and its Mamba2 layer.
 
 from transformers import Zamba2Config
 
-from compilepack.patching import (
-    ATTENTION,
-    CAUSAL_CONV1D,
-    MAMBA2_CHUNK_SCAN,
-    MAMBA2_SPLIT_CONV1D_SCAN,
-    Family,
-    register,
-)
+from compilepack.patching import ATTENTION, Family, MAMBA2_MIXER, register
 
 register(
     Family(
@@ -23,7 +16,7 @@ register(
         decoder="Zamba2Model",
         layers={
             "Zamba2Attention": (ATTENTION,),
-            "Zamba2MambaMixer": (CAUSAL_CONV1D, MAMBA2_CHUNK_SCAN, MAMBA2_SPLIT_CONV1D_SCAN),
+            "Zamba2MambaMixer": MAMBA2_MIXER,
         },
         tiny_configs={
             # two hybrid layers share one attention block (num_mem_blocks=1), each with its own adapters; RoPE on

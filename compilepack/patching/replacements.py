@@ -244,3 +244,10 @@ def _refuse_state(carries_state: bool, what: str) -> None:
             f"{what}: a packed batch cannot start from or return a recurrent state (a cache); packed forwards "
             "run with use_cache=False."
         )
+
+
+# ------------------------------------------------------------------------------------------------ mixer kinds
+
+# What one mixer layer of each kind calls, for family files: {"Qwen3NextGatedDeltaNet": GATED_DELTANET}.
+GATED_DELTANET = (CAUSAL_CONV1D, GATED_DELTA_RULE)
+MAMBA2_MIXER = (CAUSAL_CONV1D, MAMBA2_CHUNK_SCAN, MAMBA2_SPLIT_CONV1D_SCAN)

@@ -17,7 +17,7 @@ import types
 import pytest
 import torch
 import torch._dynamo.testing
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from compilepack import backends

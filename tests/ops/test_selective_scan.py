@@ -88,7 +88,7 @@ def _documents_as_rows(lengths):
     """Each document alone, all in one call: row i holds document i from position 0, right-padded. Padding
     comes after the document (causal: it cannot change the document's outputs) and gets zero output gradient
     (so it adds nothing to any gradient); each row is one document."""
-    longest, total = max(lengths), sum(lengths)
+    longest = max(lengths)
     index = torch.zeros(len(lengths), longest, dtype=torch.long)  # packed position of each (row, slot)
     valid = torch.zeros(len(lengths), longest, dtype=torch.bool)
     start = 0
