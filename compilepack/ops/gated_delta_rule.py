@@ -25,10 +25,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from compilepack import backends
+from compilepack.ops._chunked import from_chunks, l2norm, l2norm_backward, to_chunks
 from compilepack.ops._common import seq_idx_from_cu_seqlens
 
 CHUNK = 64  # transformers' and fla's default chunk size; the reference is exact for any value
-L2NORM_EPS = 1e-6  # transformers' l2norm and fla's l2norm_fwd use the same eps
 FLA_MODULE = "fla.ops.gated_delta_rule.chunk"  # holds the fwd/bwd functions and imports l2norm + chunk indices
 
 
@@ -185,31 +185,7 @@ _gated_delta_rule_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _to_chunks(x_TD: Tensor, n_chunks: int) -> Tensor:
-    """``[T, heads..., D]`` tokens (zero-padded to ``n_chunks * CHUNK``) -> ``[NC, heads..., C, D]`` contiguous."""
-    pad = n_chunks * CHUNK - x_TD.shape[0]
-    x_TD = F.pad(x_TD, (0, 0) * (x_TD.dim() - 1) + (0, pad))
-    x = x_TD.reshape(n_chunks, CHUNK, *x_TD.shape[1:])
-    return x.movedim(1, -2).contiguous()
-
-
-def _from_chunks(x: Tensor, total: int) -> Tensor:
-    """Inverse of ``_to_chunks``: ``[NC, heads..., C, D]`` -> ``[total, heads..., D]`` contiguous, no padding."""
-    x = x.movedim(-2, 1)
-    return x.reshape(-1, *x.shape[2:])[:total].contiguous()  # one chunk: reshape is a strided view
-
-
-def _l2norm(x: Tensor, enabled: bool) -> tuple[Tensor, Tensor | None]:
-    """``x / sqrt(|x|^2 + eps)`` over the last dim, and the reciprocal norm (None when disabled)."""
-    if not enabled:
-        return x, None
-    rstd = torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
-    return x * rstd, rstd
-
-
-def _l2norm_backward(dy: Tensor, y: Tensor, rstd: Tensor | None) -> Tensor:
-    if rstd is None:
-        return dy
-    return rstd * (dy - (dy * y).sum(-1, keepdim=True) * y)
+    return to_chunks(x_TD, n_chunks, CHUNK)
 
 
 class _Chunks:
@@ -228,8 +204,8 @@ class _Chunks:
         B, T, H, K = q.shape
         HV, V = v.shape[2:]
         self.total, self.n_chunks, self.H, self.G = B * T, (B * T + CHUNK - 1) // CHUNK, H, HV // H
-        q_TK, self.q_rstd = _l2norm(q.reshape(B * T, H, K).float(), use_qk_l2norm)
-        k_TK, self.k_rstd = _l2norm(k.reshape(B * T, H, K).float(), use_qk_l2norm)
+        q_TK, self.q_rstd = l2norm(q.reshape(B * T, H, K).float(), use_qk_l2norm)
+        k_TK, self.k_rstd = l2norm(k.reshape(B * T, H, K).float(), use_qk_l2norm)
         self.q_unit, self.k_unit = q_TK, k_TK  # normalised, unscaled: the l2norm backward needs them
         nc = self.n_chunks
         self.q = _to_chunks(q_TK * scale, nc).unsqueeze(2)  # [NC, H, 1, C, K]
@@ -274,7 +250,7 @@ def _reference_forward(q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale):
     states = _chunk_start_states(c.u, c.w, c.k_out, c.carry)
     v_new = c.u - c.w @ states
     o = c.qe @ states + c.attn @ v_new  # [NC, H, G, C, V]
-    o = _from_chunks(o.flatten(1, 2), c.total).reshape(v.shape).to(q.dtype)
+    o = from_chunks(o.flatten(1, 2), c.total).reshape(v.shape).to(q.dtype)
     # flat, so the chunk count is never a dimension of its own: the compiler specialises a size-1 dimension,
     # which would cost one recompile for every batch of at most one chunk
     return o, [states.view(-1)]
@@ -331,14 +307,14 @@ def _reference_backward(do, q, k, v, g, beta, cu_seqlens, saved, use_qk_l2norm, 
     d_v = d_bv * c.beta[..., None]
     d_g = d_gamma.flip(-1).cumsum(-1).flip(-1)  # gamma is a cumsum of g within the chunk
 
-    d_q = _l2norm_backward(_from_chunks(d_q.squeeze(2), c.total) * scale, c.q_unit, c.q_rstd)
-    d_k = _l2norm_backward(_from_chunks(d_k.squeeze(2), c.total), c.k_unit, c.k_rstd)
+    d_q = l2norm_backward(from_chunks(d_q.squeeze(2), c.total) * scale, c.q_unit, c.q_rstd)
+    d_k = l2norm_backward(from_chunks(d_k.squeeze(2), c.total), c.k_unit, c.k_rstd)
     return (
         d_q.reshape(q.shape).to(q.dtype),
         d_k.reshape(k.shape).to(k.dtype),
-        _from_chunks(d_v.flatten(1, 2), c.total).reshape(v.shape).to(v.dtype),
-        _from_chunks(d_g.flatten(1, 2)[..., None], c.total).reshape(g.shape).to(g.dtype),
-        _from_chunks(d_beta.flatten(1, 2)[..., None], c.total).reshape(beta.shape).to(beta.dtype),
+        from_chunks(d_v.flatten(1, 2), c.total).reshape(v.shape).to(v.dtype),
+        from_chunks(d_g.flatten(1, 2)[..., None], c.total).reshape(g.shape).to(g.dtype),
+        from_chunks(d_beta.flatten(1, 2)[..., None], c.total).reshape(beta.shape).to(beta.dtype),
     )
 
 

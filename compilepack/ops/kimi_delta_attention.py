@@ -34,11 +34,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from compilepack import backends
+from compilepack.ops._chunked import from_chunks, l2norm, l2norm_backward, to_chunks
 from compilepack.ops._common import seq_idx_from_cu_seqlens
 
 CHUNK = 8  # the reference's chunk: exact for any value; small keeps the [C, C, K] pair tensors small
 FLA_CHUNK = 64  # fla's default KDA chunk size (0.5 and 0.6 accept 32 or 64)
-L2NORM_EPS = 1e-6  # transformers' kimi l2norm and fla's l2norm_fwd use the same eps
 FLA_MODULE = "fla.ops.kda.chunk"  # holds chunk_kda_fwd/bwd and imports l2norm_fwd/bwd + prepare_chunk_indices
 SERIAL_LOOP_MAX_WORK = 1 << 20  # multiply-adds per loop step below which the chunk loops run on one thread
 FLA_MAX_K = 256  # fla's chunk_kda asserts K <= 256; larger key heads run the reference on CUDA too
@@ -214,31 +214,7 @@ _kda_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _to_chunks(x_TD: Tensor, n_chunks: int) -> Tensor:
-    """``[T, heads..., D]`` tokens (zero-padded to ``n_chunks * CHUNK``) -> ``[NC, heads..., C, D]`` contiguous."""
-    pad = n_chunks * CHUNK - x_TD.shape[0]
-    x_TD = F.pad(x_TD, (0, 0) * (x_TD.dim() - 1) + (0, pad))
-    x = x_TD.reshape(n_chunks, CHUNK, *x_TD.shape[1:])
-    return x.movedim(1, -2).contiguous()
-
-
-def _from_chunks(x: Tensor, total: int) -> Tensor:
-    """Inverse of ``_to_chunks``: ``[NC, heads..., C, D]`` -> ``[total, heads..., D]`` contiguous, no padding."""
-    x = x.movedim(-2, 1)
-    return x.reshape(-1, *x.shape[2:])[:total].contiguous()  # one chunk: reshape is a strided view
-
-
-def _l2norm(x: Tensor, enabled: bool) -> tuple[Tensor, Tensor | None]:
-    """``x / sqrt(|x|^2 + eps)`` over the last dim, and the reciprocal norm (None when disabled)."""
-    if not enabled:
-        return x, None
-    rstd = torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
-    return x * rstd, rstd
-
-
-def _l2norm_backward(dy: Tensor, y: Tensor, rstd: Tensor | None) -> Tensor:
-    if rstd is None:
-        return dy
-    return rstd * (dy - (dy * y).sum(-1, keepdim=True) * y)
+    return to_chunks(x_TD, n_chunks, CHUNK)
 
 
 class _Chunks:
@@ -257,8 +233,8 @@ class _Chunks:
         B, T, H, K = q.shape
         HV, V = v.shape[2:]
         self.total, self.n_chunks, self.H, self.G = B * T, (B * T + CHUNK - 1) // CHUNK, H, HV // H
-        q_TK, self.q_rstd = _l2norm(q.reshape(B * T, H, K).float(), use_qk_l2norm)
-        k_TK, self.k_rstd = _l2norm(k.reshape(B * T, H, K).float(), use_qk_l2norm)
+        q_TK, self.q_rstd = l2norm(q.reshape(B * T, H, K).float(), use_qk_l2norm)
+        k_TK, self.k_rstd = l2norm(k.reshape(B * T, H, K).float(), use_qk_l2norm)
         self.q_unit, self.k_unit = q_TK, k_TK  # normalised, unscaled: the l2norm backward needs them
         nc = self.n_chunks
         self.q = _to_chunks(q_TK * scale, nc).unsqueeze(2)  # [NC, H, 1, C, K]
@@ -310,7 +286,7 @@ def _reference_forward(q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale):
     with _serial_if_small(c.u, c.w):
         states, v_new = _chunk_start_states(c.u, c.w, c.k_out, c.carry)
     o = c.qe @ states + c.qk @ v_new  # [NC, H, G, C, V]
-    o = _from_chunks(o.flatten(1, 2), c.total).reshape(v.shape).to(q.dtype)
+    o = from_chunks(o.flatten(1, 2), c.total).reshape(v.shape).to(q.dtype)
     # flat, so the chunk count is never a dimension of its own (see _saved_like)
     return o, [states.view(-1), v_new.view(-1)]
 
@@ -386,14 +362,14 @@ def _reference_backward(do, q, k, v, g, beta, cu_seqlens, saved, use_qk_l2norm, 
     d_v = d_bv * c.beta[..., None]
     d_g = d_gamma.flip(-2).cumsum(-2).flip(-2)  # gamma is a cumsum of g within the chunk
 
-    d_q = _l2norm_backward(_from_chunks(d_q.squeeze(2), c.total) * scale, c.q_unit, c.q_rstd)
-    d_k = _l2norm_backward(_from_chunks(d_k.squeeze(2), c.total), c.k_unit, c.k_rstd)
+    d_q = l2norm_backward(from_chunks(d_q.squeeze(2), c.total) * scale, c.q_unit, c.q_rstd)
+    d_k = l2norm_backward(from_chunks(d_k.squeeze(2), c.total), c.k_unit, c.k_rstd)
     return (
         d_q.reshape(q.shape).to(q.dtype),
         d_k.reshape(k.shape).to(k.dtype),
-        _from_chunks(d_v.flatten(1, 2), c.total).reshape(v.shape).to(v.dtype),
-        _from_chunks(d_g.flatten(1, 2), c.total).reshape(g.shape).to(g.dtype),
-        _from_chunks(d_beta.flatten(1, 2)[..., None], c.total).reshape(beta.shape).to(beta.dtype),
+        from_chunks(d_v.flatten(1, 2), c.total).reshape(v.shape).to(v.dtype),
+        from_chunks(d_g.flatten(1, 2), c.total).reshape(g.shape).to(g.dtype),
+        from_chunks(d_beta.flatten(1, 2)[..., None], c.total).reshape(beta.shape).to(beta.dtype),
     )
 
 
