@@ -28,7 +28,11 @@ from compilepack import backends
 from compilepack.ops._chunked import from_chunks, l2norm, l2norm_backward, to_chunks
 from compilepack.ops._common import seq_idx_from_cu_seqlens
 
-CHUNK = 64  # transformers' and fla's default chunk size; the reference is exact for any value
+# The reference's chunk: exact for any value. Its [C, C] pair tensors cost T * C per op and the backward's
+# elementwise passes over them dominate a CPU step, while the sequential chunk loop costs T / C steps: 32 measured
+# 1.5x faster than 64 in the backward on the bench mix (T=8k, K=V=32; `python benchmarks/bench_ops.py`).
+CHUNK = 32
+FLA_CHUNK = 64  # transformers' and fla's default chunk size (what the saved A of the kernel path is shaped by)
 FLA_MODULE = "fla.ops.gated_delta_rule.chunk"  # holds the fwd/bwd functions and imports l2norm + chunk indices
 
 
@@ -128,7 +132,7 @@ def _saved_like(q: Tensor, k: Tensor, v: Tensor, use_qk_l2norm: bool, backend: s
         # fla's autograd Function saves: normalised q, k with their rstd, the chunk-local cumsum of g, A
         norms = [q.new_empty(q.shape), q.new_empty(B, T, H, dtype=torch.float32)] if use_qk_l2norm else []
         norms += [k.new_empty(k.shape), k.new_empty(B, T, H, dtype=torch.float32)] if use_qk_l2norm else []
-        return norms + [q.new_empty(B, T, HV, dtype=torch.float32), k.new_empty(B, T, HV, CHUNK)]
+        return norms + [q.new_empty(B, T, HV, dtype=torch.float32), k.new_empty(B, T, HV, FLA_CHUNK)]
     n_chunks = (B * T + CHUNK - 1) // CHUNK
     return [q.new_empty(n_chunks * HV * K * V, dtype=torch.float32)]  # the state at every chunk start, flat
 
@@ -290,11 +294,14 @@ def _reference_backward(do, q, k, v, g, beta, cu_seqlens, saved, use_qk_l2norm, 
     d_A = -(d_bv @ c.u.transpose(-1, -2) + d_bk @ c.w.transpose(-1, -2)).tril(-1)
 
     # A = beta_i kk_ij decay_ij (strict lower), attn = qk_ij decay_ij
+    # each [C, C] product is formed once and reused: on CPU these elementwise passes dominate the backward
     d_A_decay = d_A * c.decay
+    d_attn_decay = d_attn * c.decay
     d_beta = (d_A_decay * c.kk).sum(-1) + (d_bv * c.v).sum(-1) + (d_bk * c.k).sum(-1) * c.e
-    d_kk = (d_A_decay * c.beta[..., None]).sum(2, keepdim=True)
-    d_qk = (d_attn * c.decay).sum(2, keepdim=True)
-    d_decay_x_decay = (d_A * c.beta[..., None] * c.kk + d_attn * c.qk) * c.decay
+    d_kk_pairs = d_A_decay * c.beta[..., None]
+    d_kk = d_kk_pairs.sum(2, keepdim=True)
+    d_qk = d_attn_decay.sum(2, keepdim=True)
+    d_decay_x_decay = torch.addcmul(d_kk_pairs * c.kk, d_attn_decay, c.qk)
     d_gamma = d_decay_x_decay.sum(-1) - d_decay_x_decay.sum(-2)
     d_gamma = d_gamma + (d_qe * c.qe).sum(-1) + (d_bk * c.bk).sum(-1)
     d_k_out_x_k_out = (d_k_out * c.k_out).sum(-1)
@@ -360,13 +367,13 @@ def _kernel_forward(q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale):
             norms = [q1, q_rstd, k1, k_rstd]
         # fla builds chunk indices with a host sync (repeat_interleave on device counts); its tensor_cache keys
         # them on the cu_seqlens object, so layers sharing one cu_seqlens tensor pay it once per step.
-        chunk_indices = fla.prepare_chunk_indices(cu_seqlens, CHUNK)
+        chunk_indices = fla.prepare_chunk_indices(cu_seqlens, FLA_CHUNK)
         g_cum, o, A = fla.chunk_gated_delta_rule_fwd(
             q=q1, k=k1, v=v1, g=g1, beta=beta1, scale=scale, initial_state=None, output_final_state=False,
             cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
         )[:3]
     B, T = q.shape[:2]
-    saved = [x.view(B, T, *x.shape[2:]) for x in norms] + [g_cum.view(g.shape), A.view(*v.shape[:3], CHUNK)]
+    saved = [x.view(B, T, *x.shape[2:]) for x in norms] + [g_cum.view(g.shape), A.view(*v.shape[:3], FLA_CHUNK)]
     return o.view(v.shape).to(q.dtype), saved
 
 
@@ -376,7 +383,7 @@ def _kernel_backward(do, q, k, v, g, beta, cu_seqlens, saved, use_qk_l2norm, sca
     *norms, g_cum, A = (_flat_row(x) for x in saved)
     q1, q_rstd, k1, k_rstd = norms if use_qk_l2norm else (_flat_row(q), None, _flat_row(k), None)
     with _device_guard(q):
-        chunk_indices = fla.prepare_chunk_indices(cu_seqlens, CHUNK)
+        chunk_indices = fla.prepare_chunk_indices(cu_seqlens, FLA_CHUNK)
         dq, dk, dv, dbeta, dg = fla.chunk_gated_delta_rule_bwd(
             q=q1, k=k1, v=v1, g=g_cum, beta=beta1, A=A, scale=scale, initial_state=None, do=do1, dht=None,
             cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
