@@ -25,8 +25,8 @@ register(
             ),
         },
         bench_config=lambda: BambaConfig(
-            vocab_size=256, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-            num_attention_heads=8, num_key_value_heads=2, attn_layer_indices=[3],
+            vocab_size=256, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+            num_attention_heads=8, num_key_value_heads=2, attn_layer_indices=[1],
             mamba_n_heads=8, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=64, mamba_d_conv=4,
             mamba_expand=2, mamba_chunk_size=128, max_position_embeddings=4096,
         ),

@@ -21,7 +21,7 @@ register(
             "mha": lambda: LlamaConfig(**_TINY, num_attention_heads=4, num_key_value_heads=4),
         },
         bench_config=lambda: LlamaConfig(
-            vocab_size=256, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+            vocab_size=256, hidden_size=256, intermediate_size=688, num_hidden_layers=1, num_attention_heads=8,
             num_key_value_heads=4, max_position_embeddings=4096,
         ),
         kernels="attention: flash-attn varlen, else torch varlen_attn (CUDA); per-document CPU flash kernel (CPU)",

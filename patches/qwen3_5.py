@@ -33,10 +33,10 @@ register(
         },
         tiny_builders={"multimodal": "Qwen3_5ForConditionalGeneration"},
         bench_config=lambda: Qwen3_5TextConfig(
-            vocab_size=256, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+            vocab_size=256, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
             num_attention_heads=8, num_key_value_heads=2, head_dim=32,
             linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32,
-            layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+            layer_types=["linear_attention", "full_attention"],
             max_position_embeddings=4096,
         ),
         kernels="conv: causal-conv1d; delta rule: fla chunk_gated_delta_rule; attention: flash-attn / torch varlen",

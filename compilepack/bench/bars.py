@@ -83,7 +83,7 @@ def _compile_bar(family: str, by_mode: dict) -> dict:
                      detail=entry["detail"] + f": stock did not finish compiling within {stock.get('timeout_s')} s")
         return entry
     if stock_compile is None:
-        entry["detail"] += ": stock compile time missing"
+        entry["detail"] += f": stock compiled has no compile time ({stock.get('error') or 'not measured'})"
         return entry
     value = patched["compile_s"] / max(stock_compile, 1e-9)
     entry.update(value=round(value, 2), met=value <= 1.0)

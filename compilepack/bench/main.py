@@ -31,9 +31,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default: cpu)")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend (default: inductor)")
     parser.add_argument("--config", choices=("bench", "tiny"), default="bench",
-                        help="bench: each family's bench_config (~3-5M parameters); tiny: its first tiny config")
-    parser.add_argument("--mode-timeout", type=float, default=150.0,
-                        help="seconds a mode may take before it is stopped and reported as timed out (default: 150)")
+                        help="bench: each family's bench_config (hidden 256, a few layers); tiny: its first tiny config")
+    parser.add_argument("--mode-timeout", type=float, default=120.0,
+                        help="seconds a mode may take before it is stopped and reported as timed out (default: 120)")
     parser.add_argument("--inductor-cache", choices=("fresh", "shared"), default="fresh",
                         help="fresh: every mode compiles cold, from an empty inductor cache (default); "
                              "shared: use torch's usual on-disk cache (faster reruns, warm compile times)")
