@@ -1,8 +1,18 @@
+import atexit
 import os
+import shutil
+import tempfile
 
-import pytest
-import torch
-from hypothesis import HealthCheck, settings
+# A fresh inductor cache per test session: inductor's FX graph cache keys a graph on its code, not on the fake
+# implementations of the custom ops in it, so a graph cached before an op's saved-tensor shapes changed would be
+# reused with the old shapes (seen: a gated-delta-rule chunk-size change failing an assert_size_stride).
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="compilepack-tests-inductor-")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
 
 # Two CPU cores: keep torch from oversubscribing them, and keep hypothesis runs short but real.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
