@@ -52,8 +52,8 @@ class Family:
             mixer to its kernel (the Mamba1 models). The classes need no other entry. Never name a call that
             already passes ``**kwargs``.
         tiny_builders: variant -> transformers class name used to build it (default ``AutoModelForCausalLM``).
-        bench_config: a small but realistic config (a few million parameters) for ``python -m compilepack
-            bench``; defaults to the first tiny config.
+        bench_config: the config ``python -m compilepack bench`` trains (hidden 256 and one layer of each mixer
+            kind fit the default run's 10-minute budget); defaults to the first tiny config.
         kernels: what each CUDA backend runs for this family, for the docs table.
         stock_packed: what stock transformers does with a packed batch of this family (measured), for the docs.
     """
