@@ -9,7 +9,7 @@ families need the boundary kwargs threaded to these calls first (see tests/patch
 from __future__ import annotations
 
 from compilepack.errors import BoundaryError
-from compilepack.patching import Replacement
+from compilepack.patching import CAUSAL_CONV1D, Family, Replacement
 
 
 def _make_selective_scan(stock, backends):
@@ -62,3 +62,40 @@ MAMBA_INNER = Replacement(
     _make_mamba_inner,
     ("xz", "conv1d_weight", "conv1d_bias", "x_proj_weight", "delta_proj_weight", "out_proj_weight", "A"),
 )
+
+
+def attention_free_family(name: str, prefix: str, config_class, modeling: str) -> Family:
+    """A Mamba1 stack without attention (Mamba, FalconMamba): classes ``<prefix>ForCausalLM``, ``<prefix>Model``,
+    ``<prefix>Block`` and ``<prefix>Mixer`` that drop ``**kwargs`` at every level on the way to the scan. The
+    CausalLM wrapper is bridged to the backbone, the backbone threads the boundaries to each block, the block to
+    its mixer and the mixer to ``mamba_selective_scan`` / ``mamba_inner_fn``. Packed batches always take the
+    mixer's unfused path: no fused Mamba1 kernel resets at document starts."""
+    return Family(
+        name=name,
+        modeling=modeling,
+        decoder=f"{prefix}Model",
+        kwargs_bridges={f"{prefix}ForCausalLM": "backbone"},
+        layers={f"{prefix}Mixer": (CAUSAL_CONV1D, SELECTIVE_SCAN, MAMBA_INNER)},
+        boundary_calls={
+            f"{prefix}Model": ("mixer_block",),
+            f"{prefix}Block": ("self.mixer",),
+            f"{prefix}Mixer": ("mamba_inner_fn", "mamba_selective_scan"),
+        },
+        tiny_configs={
+            "ssm": lambda: config_class(
+                vocab_size=256, hidden_size=64, state_size=16, num_hidden_layers=2, expand=2, conv_kernel=4,
+            ),
+        },
+        bench_config=lambda: config_class(
+            vocab_size=256, hidden_size=256, state_size=16, num_hidden_layers=4, expand=2, conv_kernel=4,
+        ),
+        kernels=(
+            "conv: causal-conv1d causal_conv1d_fn(seq_idx); selective scan: compilepack's reference on every "
+            "device (mamba-ssm's selective scan cannot reset inside a row); fused mamba_inner_fn: never on "
+            "packed batches"
+        ),
+        stock_packed=(
+            "position_ids only or with the collator's boundary kwargs: silently wrong (the kwargs never reach "
+            "the mixers; every layer scans one long sequence)"
+        ),
+    )
