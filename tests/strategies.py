@@ -55,3 +55,8 @@ def seq_idx_of(lengths: list[int], device="cpu") -> torch.Tensor:
 def split_docs(x: torch.Tensor, lengths: list[int], dim: int) -> list[torch.Tensor]:
     """Cut a packed tensor into per-document pieces along ``dim``."""
     return list(torch.split(x, lengths, dim=dim))
+
+
+def bounds_of(lengths: list[int]) -> list[int]:
+    """Document boundaries as Python ints: ``[0, l0, l0 + l1, ...]``."""
+    return cu_seqlens_of(lengths).tolist()

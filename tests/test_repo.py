@@ -44,6 +44,16 @@ def test_every_patch_module_registers_a_family():
     assert registered  # at least the headline families
 
 
+def test_every_package_is_installed():
+    """pyproject lists packages explicitly (patches/ is mapped to compilepack.patches): a new subpackage, such as
+    an op's folder, must be listed or a wheel install would lack it."""
+    listed = set(re.findall(r'"(compilepack[\w.]*)"', (ROOT / "pyproject.toml").read_text().split("packages = [")[1]))
+    found = {
+        ".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "compilepack").rglob("__init__.py")
+    } | {"compilepack.patches"}
+    assert found <= listed, f"add to pyproject's packages: {sorted(found - listed)}"
+
+
 def test_importing_and_patching_imports_no_cuda_library():
     code = (
         "import sys, compilepack, torch\n"

@@ -1,15 +1,14 @@
-"""compilepack::gated_delta_rule_varlen: exact on packed rows, equal to transformers on one document, explicit
-backward checked against an fp64 token-by-token recurrence, one graph under torch.compile, and the fla path
-driven on CPU through a fake fla module that checks the argument contract.
+"""compilepack::gated_delta_rule_varlen: packed == the naive per-document recurrence, equal to transformers on one
+document, exact fp64 gradients (gradcheck), documents isolated to the bit, one graph under torch.compile, and the
+fla path driven on CPU through a fake fla module that checks the argument contract.
 
 Tolerances: the op computes in fp32 (as transformers does). Outputs and gradients are compared with an absolute
 bound of 1e-5 scaled by the largest magnitude of the reference tensor (at least 1): the chunked algorithm sums
-O(K * chunk) fp32 products per entry, so the error grows with the entry size, not with the token count.
+O(K * chunk) fp32 products per entry, so the error grows with the entry size, not with the token count
+(measured against the fp64 oracle: <= 5e-7 of the largest entry; boundaries dropped: > 1e-2).
 """
 
 from __future__ import annotations
-
-import types
 
 import pytest
 import torch
@@ -18,14 +17,17 @@ import torch.nn.functional as F
 from hypothesis import given
 from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
 
-from compilepack import backends
 from compilepack.ops import gated_delta_rule as gdr
-from compilepack.ops.gated_delta_rule import gated_delta_rule_varlen
+from compilepack.ops.gated_delta_rule import gated_delta_rule_naive, gated_delta_rule_varlen
 from tests.compiling import graphs_compiled
-from tests.strategies import cu_seqlens_of, doc_lengths
+from tests.ops.fakes import route_kernels
+from tests.ops.fakes.fla import FakeFla
+from tests.ops.properties import assert_close, assert_documents_isolated, gradcheck, max_error
+from tests.strategies import bounds_of, cu_seqlens_of, doc_lengths
 
 H, HV, K, V = 2, 4, 16, 8  # grouped value heads (HV = 2 H) so the repeat_interleave mapping is exercised
 FP32_TOL = 1e-5
+NAMES = "q k v g beta".split()
 
 
 def make_inputs(total: int, batch: int = 1, seed: int = 0, dtype=torch.float32, heads=(H, HV), dims=(K, V)):
@@ -45,34 +47,22 @@ def run_op(inputs, cu_seqlens, grad_seed: int = 1, **kwargs):
     return o.detach(), list(torch.autograd.grad(o, inputs, do)), do
 
 
+def run_naive_fp64(inputs, cu_seqlens, do, **kwargs):
+    inputs64 = [x.detach().double().requires_grad_() for x in inputs]
+    o = gated_delta_rule_naive(*inputs64, cu_seqlens, **kwargs)
+    return o.detach(), list(torch.autograd.grad(o, inputs64, do.double()))
+
+
 def run_stock(inputs, do):
     q, k, v, g, beta = inputs
     o = torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]
     return o.detach(), list(torch.autograd.grad(o, inputs, do))
 
 
-def assert_close(actual, expected, what: str, tol: float = FP32_TOL):
-    bound = tol * max(1.0, expected.abs().max().item())
-    err = (actual - expected).abs().max().item()
-    assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
-
-
-def docs_alone(inputs, lengths, do):
-    """The stock function on every document separately: the ground truth a packed row must reproduce.
-
-    The documents run as one right-padded batch: the rule is causal, so padding after a document changes none of
-    its outputs, and the padded outputs get a zero gradient, so they add nothing to the gradients either.
-    """
-    lengths = [n for n in lengths if n > 0]
-    pieces = [[x[0, s : s + n] for s, n in zip(starts_of(lengths), lengths)] for x in (*inputs, do)]
-    batch = [torch.nn.utils.rnn.pad_sequence(p, batch_first=True).detach().requires_grad_() for p in pieces]
-    o, grads = run_stock(batch[:5], batch[5])
-    unpad = lambda x: torch.cat([x[i, :n] for i, n in enumerate(lengths)])[None]  # noqa: E731
-    return unpad(o), [unpad(g) for g in grads]
-
-
-def starts_of(lengths):
-    return [sum(lengths[:i]) for i in range(len(lengths))]
+def assert_all_close(o, grads, o_ref, grads_ref, tol=FP32_TOL):
+    assert_close(o, o_ref, "output", tol)
+    for name, got, ref in zip(NAMES, grads, grads_ref):
+        assert_close(got, ref, f"d{name}", tol)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -80,34 +70,35 @@ def starts_of(lengths):
 # --------------------------------------------------------------------------------------------------------------
 
 
-@given(lengths=doc_lengths())
-def test_packed_equals_each_document_alone(lengths):
+@given(lengths=doc_lengths(max_total=320))
+def test_packed_equals_naive_recurrence_per_document(lengths):
     inputs = make_inputs(sum(lengths), seed=len(lengths))
-    o, grads, do = run_op(inputs, cu_seqlens_of(lengths))
-    o_ref, grads_ref = docs_alone(inputs, lengths, do)
-    assert_close(o, o_ref, "output")
-    for name, got, ref in zip("q k v g beta".split(), grads, grads_ref):
-        assert_close(got, ref, f"d{name}")
+    cu = cu_seqlens_of(lengths)
+    o, grads, do = run_op(inputs, cu)
+    assert_all_close(o, grads, *run_naive_fp64(inputs, cu, do))
+
+
+def test_tolerance_catches_dropped_boundaries():
+    """The control: the same comparison with the boundaries dropped (one long document) misses by far."""
+    lengths = [50, 40, 60]
+    inputs = make_inputs(sum(lengths), seed=3)
+    o, _, do = run_op(inputs, cu_seqlens_of([sum(lengths)]))
+    o_ref, _ = run_naive_fp64(inputs, cu_seqlens_of(lengths), do)
+    assert max_error(o, o_ref) > 100 * FP32_TOL
 
 
 @pytest.mark.parametrize("heads, dims", [((H, HV), (K, V)), ((3, 3), (8, 16)), ((1, 4), (16, 16))])
 def test_single_document_equals_stock_function(heads, dims):
     inputs = make_inputs(150, heads=heads, dims=dims)
     o, grads, do = run_op(inputs, cu_seqlens_of([150]))
-    o_ref, grads_ref = run_stock(inputs, do)
-    assert_close(o, o_ref, "output")
-    for name, got, ref in zip("q k v g beta".split(), grads, grads_ref):
-        assert_close(got, ref, f"d{name}")
+    assert_all_close(o, grads, *run_stock(inputs, do))
 
 
 def test_batch_rows_are_documents():
     """B > 1: each row edge is a document edge, so B rows equal the stock function's batch of B sequences."""
     inputs = make_inputs(70, batch=3)
     o, grads, do = run_op(inputs, cu_seqlens_of([70, 70, 70]))
-    o_ref, grads_ref = run_stock(inputs, do)
-    assert_close(o, o_ref, "output")
-    for name, got, ref in zip("q k v g beta".split(), grads, grads_ref):
-        assert_close(got, ref, f"d{name}")
+    assert_all_close(o, grads, *run_stock(inputs, do))
 
 
 def test_zero_length_documents_change_nothing():
@@ -124,44 +115,9 @@ def test_stock_function_leaks_across_documents():
     lengths = [50, 90]
     inputs = make_inputs(sum(lengths))
     do = torch.randn(1, sum(lengths), HV, V)
-    o_packed_stock, _ = run_stock(inputs, do)
-    o_ref, _ = docs_alone(inputs, lengths, do)
-    o_op, _, _ = run_op(inputs, cu_seqlens_of(lengths))
-    leak = (o_packed_stock[:, 50:] - o_ref[:, 50:]).abs().max().item()
-    assert leak > 1e-2, f"stock function should leak on a packed row, max difference only {leak:.3g}"
-    assert torch.equal(o_packed_stock[:, :50], o_packed_stock[:, :50])  # the first document is unaffected
-    assert_close(o_op, o_ref, "op output")
-
-
-def naive_recurrence_fp64(q, k, v, g, beta, lengths, scale):
-    """Token-by-token gated delta rule in fp64, state zeroed per document: the independent exact answer."""
-    q, k = F.normalize(q, dim=-1, eps=0) * scale, F.normalize(k, dim=-1, eps=0)
-    group = v.shape[2] // q.shape[2]
-    q, k = q.repeat_interleave(group, 2), k.repeat_interleave(group, 2)
-    outs, start = [], 0
-    for length in lengths:
-        state = q.new_zeros(v.shape[2], q.shape[-1], v.shape[-1])
-        for t in range(start, start + length):
-            state = state * g[0, t].exp()[:, None, None]
-            delta = v[0, t] - torch.einsum("hkv,hk->hv", state, k[0, t])
-            state = state + torch.einsum("hk,hv->hkv", k[0, t], delta * beta[0, t][:, None])
-            outs.append(torch.einsum("hkv,hk->hv", state, q[0, t]))
-        start += length
-    return torch.stack(outs)[None]
-
-
-def test_gradients_match_fp64_recurrence():
-    """The hand-derived backward against autograd through an fp64 token loop, relative to the largest entry
-    (measured: <= 7e-7 of it for every gradient; fp32 is the op's compute precision)."""
-    lengths = [5, 70, 1, 60]
-    inputs = make_inputs(sum(lengths), seed=3)
-    o, grads, do = run_op(inputs, cu_seqlens_of(lengths))
-    inputs64 = [x.detach().double().requires_grad_() for x in inputs]
-    o64 = naive_recurrence_fp64(*inputs64, lengths, K**-0.5)
-    grads64 = torch.autograd.grad(o64, inputs64, do.double())
-    assert_close(o.double(), o64, "output", tol=1e-5)
-    for name, got, ref in zip("q k v g beta".split(), grads, grads64):
-        assert_close(got.double(), ref, f"d{name}", tol=1e-5)
+    o_stock, _ = run_stock(inputs, do)
+    o_ref, _ = run_naive_fp64(inputs, cu_seqlens_of(lengths), do)
+    assert max_error(o_stock[:, 50:], o_ref[:, 50:]) > 1e-2
 
 
 def test_without_l2norm_and_custom_scale():
@@ -169,12 +125,10 @@ def test_without_l2norm_and_custom_scale():
     inputs = make_inputs(sum(lengths), seed=5)
     q, k = (F.normalize(x.detach(), dim=-1).requires_grad_() for x in inputs[:2])
     plain = [q, k, *inputs[2:]]
-    o, grads, do = run_op(plain, cu_seqlens_of(lengths), use_qk_l2norm=False, scale=0.3)
-    o64 = naive_recurrence_fp64(*[x.detach().double() for x in plain], lengths, 0.3)
-    assert_close(o.double(), o64, "output")
-    o_def, _, _ = run_op(plain, cu_seqlens_of(lengths), use_qk_l2norm=False)
-    o_def64 = naive_recurrence_fp64(*[x.detach().double() for x in plain], lengths, K**-0.5)
-    assert_close(o_def.double(), o_def64, "output (default scale)")
+    cu = cu_seqlens_of(lengths)
+    for scale in (0.3, None):
+        o, grads, do = run_op(plain, cu, use_qk_l2norm=False, scale=scale)
+        assert_all_close(o, grads, *run_naive_fp64(plain, cu, do, use_qk_l2norm=False, scale=scale))
 
 
 def test_bfloat16_inputs_keep_their_dtype():
@@ -182,6 +136,50 @@ def test_bfloat16_inputs_keep_their_dtype():
     o, grads, _ = run_op(inputs, cu_seqlens_of([20, 60]))
     assert o.dtype == torch.bfloat16 and o.shape == (1, 80, HV, V)
     assert [g.dtype for g in grads] == [torch.bfloat16] * 5
+
+
+def test_autocast_bfloat16_forward_and_backward():
+    """Under CPU autocast the op computes in fp32 inside (autocast is off in custom-op bodies) and returns q's dtype."""
+    inputs = make_inputs(70, seed=7)
+    cu = cu_seqlens_of([20, 50])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o, grads, do = run_op(inputs, cu)
+    assert o.dtype == torch.float32
+    assert_all_close(o, grads, *run_naive_fp64(inputs, cu, do))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Exactness: fp64 gradcheck and bit-exact document isolation
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "lengths", [[9, 1, 14], [40], [31, 2, 1]], ids=["several+1-token", "crosses-chunk-edge", "chunk-edge-1"]
+)
+def test_fp64_gradcheck(lengths):
+    inputs = make_inputs(sum(lengths), seed=11, dims=(4, 3))
+    cu = cu_seqlens_of(lengths)
+    assert gradcheck(lambda *x: gated_delta_rule_varlen(*x, cu), inputs)
+
+
+def test_fp64_gradcheck_without_l2norm_two_rows():
+    inputs = make_inputs(12, batch=2, seed=12, heads=(1, 2), dims=(4, 3))
+    cu = cu_seqlens_of([5, 7, 12])
+    assert gradcheck(lambda *x: gated_delta_rule_varlen(*x, cu, use_qk_l2norm=False, scale=0.5), inputs)
+
+
+@given(lengths=doc_lengths(max_total=200))
+def test_documents_isolated_to_the_bit(lengths):
+    """Another document's values change neither this document's output nor reach its gradients, in any bit."""
+    if len(lengths) < 2:
+        lengths = [*lengths, 7]
+    total, bounds = sum(lengths), bounds_of(lengths)
+    cu = cu_seqlens_of(lengths)
+    run = lambda x: gated_delta_rule_varlen(*x, cu)  # noqa: E731
+    for document in {0, len(lengths) // 2, len(lengths) - 1}:
+        assert_documents_isolated(
+            run, make_inputs(total, seed=1), make_inputs(total, seed=2), [1] * 5, 1, bounds, document
+        )
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -192,13 +190,13 @@ def test_bfloat16_inputs_keep_their_dtype():
 @pytest.mark.parametrize("lengths", [[64], [1, 63, 64, 2], [10, 0, 30]])
 def test_opcheck(lengths):
     inputs = make_inputs(sum(lengths), seed=2)
-    cu = cu_seqlens_of(lengths) if 0 not in lengths else torch.tensor([0, 10, 10, 40], dtype=torch.int32)
-    args = (*inputs, cu, True, K**-0.5, backends.REFERENCE)
-    torch.library.opcheck(gdr._gated_delta_rule_op, args)
-    o, saved = gdr._gated_delta_rule_op(*args)
+    args = (*inputs, cu_seqlens_of(lengths), None, True, K**-0.5, "reference")
+    torch.library.opcheck(gdr.OP.forward, args)
+    o, saved = gdr.OP.forward(*args)
     # the backward op has no double backward: check it on plain tensors
-    plain = [x.detach() for x in (torch.randn_like(o), *inputs)]
-    torch.library.opcheck(gdr._gated_delta_rule_backward_op, (*plain, cu, saved, True, K**-0.5, backends.REFERENCE))
+    plain = [x.detach() for x in inputs]
+    backward_args = (torch.randn_like(o), None, saved, [True] * 5, *plain, *args[5:])
+    torch.library.opcheck(gdr.OP.backward, backward_args)
 
 
 def loss_of(q, k, v, g, beta, cu_seqlens):
@@ -237,7 +235,7 @@ def test_aot_eager_backward_matches_eager():
     compiled = torch.compile(loss_of, fullgraph=True, dynamic=True, backend="aot_eager")
     grads = torch.autograd.grad(compiled(*inputs, cu), inputs)
     grads_eager = torch.autograd.grad(loss_of(*inputs, cu), inputs)
-    for name, got, ref in zip("q k v g beta".split(), grads, grads_eager):
+    for name, got, ref in zip(NAMES, grads, grads_eager):
         assert_close(got, ref, f"d{name}", tol=1e-6)
 
 
@@ -246,75 +244,10 @@ def test_aot_eager_backward_matches_eager():
 # --------------------------------------------------------------------------------------------------------------
 
 
-class FakeFla(types.SimpleNamespace):
-    """Stands in for ``fla.ops.gated_delta_rule.chunk`` (fla 0.6.0, API shared with 0.5.x); records every call."""
-
-    def __init__(self, total: int):
-        super().__init__(calls=[], total=total)
-
-    @staticmethod
-    def _packed_row(x, *trailing_dims):
-        assert x.dim() == 2 + len(trailing_dims) and x.shape[0] == 1, f"fla varlen wants [1, T, ...], got {x.shape}"
-        assert x.is_contiguous(), "fla kernels index raw pointers: inputs must be contiguous"
-
-    def l2norm_fwd(self, x):
-        self.calls.append("l2norm_fwd")
-        self._packed_row(x, 0, 0)
-        rstd = torch.rsqrt(x.float().square().sum(-1) + 1e-6)
-        return (x * rstd[..., None]).to(x.dtype), rstd
-
-    def l2norm_bwd(self, y, rstd, dy):
-        self.calls.append("l2norm_bwd")
-        assert rstd.dtype == torch.float32 and rstd.shape == y.shape[:-1]
-        return rstd[..., None] * (dy - (dy * y).sum(-1, keepdim=True) * y)
-
-    def prepare_chunk_indices(self, cu_seqlens, chunk_size):
-        self.calls.append("prepare_chunk_indices")
-        assert cu_seqlens.dtype == torch.int32 and cu_seqlens.dim() == 1
-        assert type(chunk_size) is int and chunk_size == 64
-        return torch.zeros(3, 2, dtype=torch.int32)
-
-    def _check(self, q, k, v, g, beta, scale, cu_seqlens, chunk_indices, initial_state):
-        for x in (q, k, v):
-            self._packed_row(x, 0, 0)
-        for x in (g, beta):
-            self._packed_row(x, 0)
-        assert q.shape[1] == self.total and v.shape[2] % q.shape[2] == 0  # fla handles HV > H itself (GVA)
-        assert type(scale) is float and initial_state is None
-        assert cu_seqlens.dtype == torch.int32 and cu_seqlens.device == q.device
-        assert chunk_indices is not None, "pass chunk indices so fla does not rebuild them"
-
-    # only the arguments fla 0.5.x and 0.6.0 share: passing any other one fails here with a TypeError
-    def chunk_gated_delta_rule_fwd(
-        self, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk_indices
-    ):
-        self.calls.append("fwd")
-        self._check(q, k, v, g, beta, scale, cu_seqlens, chunk_indices, initial_state)
-        assert output_final_state is False
-        o, _ = gdr._reference_forward(q, k, v, g, beta, cu_seqlens, False, scale)
-        A = k.new_zeros(*v.shape[:3], 64)
-        g_cum = g.float() * 1.0  # stands for fla's chunk-local cumsum; the fake backward reads it back as g
-        return g_cum, o.to(v.dtype), A, None, None, None
-
-    def chunk_gated_delta_rule_bwd(self, q, k, v, g, beta, A, scale, initial_state, do, dht, cu_seqlens, chunk_indices):
-        self.calls.append("bwd")
-        self._check(q, k, v, g, beta, scale, cu_seqlens, chunk_indices, initial_state)
-        assert g.dtype == torch.float32 and A.shape == (*v.shape[:3], 64) and dht is None
-        _, saved = gdr._reference_forward(q, k, v, g, beta, cu_seqlens, False, scale)
-        dq, dk, dv, dg, db = gdr._reference_backward(do, q, k, v, g, beta, cu_seqlens, saved, False, scale)
-        return dq, dk, dv, db, dg, None, None, None
-
-
 @pytest.fixture
 def fake_fla(monkeypatch):
     fakes = {}
-
-    def load(name):
-        assert name == "fla.ops.gated_delta_rule.chunk"
-        return fakes["fla"]
-
-    monkeypatch.setattr(backends, "use_kernel", lambda tensor, backend: backend == "fla")
-    monkeypatch.setattr(backends, "load", load)
+    route_kernels(monkeypatch, "fla", fakes)
     return fakes
 
 
@@ -323,26 +256,26 @@ def test_fla_path_contract_and_results(fake_fla, use_qk_l2norm):
     lengths = [40, 1, 70]
     inputs = make_inputs(sum(lengths), batch=1, seed=4)
     cu = cu_seqlens_of(lengths)
-    fake_fla["fla"] = fake = FakeFla(sum(lengths))
-    o, grads, do = run_op(inputs, cu, use_qk_l2norm=use_qk_l2norm, backend="fla")
+    fake_fla["fla.ops.gated_delta_rule.chunk"] = fake = FakeFla(sum(lengths))
+    o, grads, do = run_op(inputs, cu, use_qk_l2norm=use_qk_l2norm, backend="fla", cu_seqlens_cpu=cu.clone())
     forward = ["l2norm_fwd"] * 2 * use_qk_l2norm + ["prepare_chunk_indices", "fwd"]
     assert fake.calls == forward + ["prepare_chunk_indices", "bwd"] + ["l2norm_bwd"] * 2 * use_qk_l2norm
+    assert all(torch.equal(host, cu) for host in fake.host_boundaries), "fla must get the host copy of cu_seqlens"
     o_ref, grads_ref, _ = run_op(inputs, cu, use_qk_l2norm=use_qk_l2norm, backend="reference")
-    assert_close(o, o_ref, "output")
-    for name, got, ref in zip("q k v g beta".split(), grads, grads_ref):
-        assert_close(got, ref, f"d{name}")
+    assert_all_close(o, grads, o_ref, grads_ref)
 
 
 def test_fla_path_flattens_batch_rows_and_passes_opcheck(fake_fla):
     inputs = make_inputs(70, batch=2, seed=6)
     cu = cu_seqlens_of([70, 70])
-    fake_fla["fla"] = FakeFla(140)
-    args = (*inputs, cu, True, K**-0.5, "fla")
-    torch.library.opcheck(gdr._gated_delta_rule_op, args)  # the fake's saved shapes match fla's
-    o, saved = gdr._gated_delta_rule_op(*args)
-    assert [tuple(s.shape) for s in saved] == [(2, 70, H, K), (2, 70, H), (2, 70, H, K), (2, 70, H), (2, 70, HV), (2, 70, HV, 64)]
-    plain = [x.detach() for x in (torch.randn_like(o), *inputs)]
-    torch.library.opcheck(gdr._gated_delta_rule_backward_op, (*plain, cu, saved, True, K**-0.5, "fla"))
+    fake_fla["fla.ops.gated_delta_rule.chunk"] = FakeFla(140)
+    args = (*inputs, cu, cu.clone(), True, K**-0.5, "fla")
+    torch.library.opcheck(gdr.OP.forward, args)  # the fake's saved shapes match fla's
+    o, saved = gdr.OP.forward(*args)
+    shapes = [(2, 70, H, K), (2, 70, H), (2, 70, H, K), (2, 70, H), (2, 70, HV), (2, 70, HV, 64)]
+    assert [tuple(s.shape) for s in saved] == shapes
+    plain = [x.detach() for x in inputs]
+    torch.library.opcheck(gdr.OP.backward, (torch.randn_like(o), None, saved, [True] * 5, *plain, *args[5:]))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -370,3 +303,8 @@ def test_shape_errors(change, message):
     change(args)
     with pytest.raises(ValueError, match=message.replace("[", r"\[").replace("]", r"\]")):
         gated_delta_rule_varlen(**args)
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(ValueError, match="unknown backend 'flaa'"):
+        gated_delta_rule_varlen(*make_inputs(10), cu_seqlens_of([10]), backend="flaa")

@@ -1,0 +1,220 @@
+"""One declaration -> a ``compilepack::`` custom op with its fake, its backward op and its autograd.
+
+Every compilepack op has the same shape: a forward that returns the output and the tensors its backward needs
+(``saved``), a backward that returns one gradient per differentiable input, a fake for the compiler, and several
+ways to compute both (the pure-torch reference, and kernel libraries on CUDA). An op module declares only what is
+particular to it::
+
+    op = define_op(
+        "compilepack::gated_delta_rule_varlen",
+        signature=_signature,                  # a stub: annotated inputs (the schema), ``backend: str`` last
+        differentiable=("q", "k", "v", "g", "beta"),
+        reference=reference.PATH,              # Path(forward, backward, fake)
+        kernels={"fla": fla.PATH},             # backend name -> Path, used on CUDA only
+    )
+    out = op(q, k, v, g, beta, cu_seqlens, True, scale, "fla")
+
+and this module registers, from that:
+
+- the forward op ``name``: ``(*inputs) -> (out, saved: Tensor[])``, dispatching to one path;
+- the backward op ``name + "_backward"``: ``(grad_out, out?, saved, needs_grad: bool[], *inputs) -> Tensor[]``
+  (one gradient per differentiable input; an empty placeholder for an absent optional input), so the compiler
+  sees the backward as one opaque call too;
+- the fakes of both (the forward's from the chosen path, the backward's from the inputs' layouts);
+- the autograd formula (``register_autograd``) that saves the inputs, ``saved`` and optionally ``out``.
+
+Which path runs is decided from static facts only (the ``backend`` string chosen at ``patch()`` time, the
+device type, shapes), identically for the real op, its fake and its backward, so the compiled graph never
+branches on tensor data and the fake always describes what actually runs.
+
+Path bodies run with autocast off: a custom op is opaque to autocast, but the autocast state stays on inside
+its body, where it would silently recast the reference's fp32 arithmetic (and mix dtypes in its matmuls).
+Each op decides its compute dtype itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from .. import backends
+
+PLACEHOLDER_SHAPE = (0,)  # what the backward op returns for an optional input that was None
+
+
+@dataclasses.dataclass(frozen=True)
+class Path:
+    """One way to compute an op.
+
+    ``forward(*inputs)`` returns ``(out, saved)``; ``backward(grad_out, out, saved, needs_grad, *inputs)`` returns
+    one gradient per differentiable input (None where not needed or absent); ``fake(*inputs)`` returns empty
+    tensors with the shapes, dtypes and strides ``forward`` produces. ``inputs`` are the op's inputs without the
+    trailing ``backend`` string.
+    """
+
+    forward: Callable[..., tuple[Tensor, list[Tensor]]]
+    backward: Callable[..., Sequence[Tensor | None]]
+    fake: Callable[..., tuple[Tensor, list[Tensor]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """A registered op: call it like the forward op; ``forward`` / ``backward`` are the registered custom ops."""
+
+    name: str
+    forward: Callable
+    backward: Callable
+    path_of: Callable[..., Path]
+
+    def __call__(self, *inputs):
+        return self.forward(*inputs)
+
+
+def define_op(
+    name: str,
+    *,
+    signature: Callable,
+    differentiable: tuple[str, ...],
+    reference: Path,
+    kernels: Mapping[str, Path] | None = None,
+    kernel_applies: Callable[..., bool] | None = None,
+    saves_output: bool = False,
+) -> Op:
+    """Register the custom op ``name`` (``"compilepack::..."``), its backward op, fakes and autograd.
+
+    Args:
+        name: the qualified op name.
+        signature: a stub whose annotated parameters are the op's inputs, ending in ``backend: str``.
+        differentiable: the names of the inputs that receive gradients (tensors, possibly optional).
+        reference: the pure-torch path (any device; what always runs on CPU).
+        kernels: backend name -> path, used when the first input is on CUDA and ``backend`` names it.
+        kernel_applies: static predicate on the inputs (shapes, dtypes) that a kernel path also needs; inputs
+            it refuses run the reference.
+        saves_output: whether the backward needs the forward's output (then saved too).
+    """
+    parameters = list(inspect.signature(signature).parameters.values())
+    if parameters[-1].name != "backend":
+        raise TypeError(f"{name}: the signature's last parameter must be 'backend: str'.")
+    names = [p.name for p in parameters]
+    unknown = set(differentiable) - set(names)
+    if unknown:
+        raise TypeError(f"{name}: differentiable inputs {sorted(unknown)} are not in the signature.")
+    kernels = dict(kernels or {})
+    grad_positions = [names.index(n) for n in differentiable]
+
+    def path_of(*inputs) -> Path:
+        backend = inputs[-1]
+        _check_backend(name, backend)
+        kernel = kernels.get(backend)
+        if kernel is None or not backends.use_kernel(inputs[0], backend):
+            return reference
+        if kernel_applies is not None and not kernel_applies(*inputs[:-1]):
+            return reference
+        return kernel
+
+    def forward_impl(*inputs):
+        with _autocast_off(inputs[0]):
+            return path_of(*inputs).forward(*inputs[:-1])
+
+    def forward_fake(*inputs):
+        return path_of(*inputs).fake(*inputs[:-1])
+
+    def backward_impl(grad_out, out, saved, needs_grad, *inputs):
+        with _autocast_off(inputs[0]):
+            grads = path_of(*inputs).backward(grad_out, out, saved, needs_grad, *inputs[:-1])
+        return [_as_gradient(grad, inputs[i]) for grad, i in zip(grads, grad_positions)]
+
+    def backward_fake(grad_out, out, saved, needs_grad, *inputs):
+        return [_gradient_like(inputs[i]) for i in grad_positions]
+
+    forward_op = _custom_op(name, forward_impl, parameters, tuple[Tensor, list[Tensor]])
+    forward_op.register_fake(forward_fake)
+    backward_parameters = [
+        _parameter("grad_out", Tensor),
+        _parameter("out", Tensor | None),
+        _parameter("saved", list[Tensor]),
+        _parameter("needs_grad", list[bool]),
+        *parameters,
+    ]
+    backward_op = _custom_op(f"{name}_backward", backward_impl, backward_parameters, list[Tensor])
+    backward_op.register_fake(backward_fake)
+
+    def setup_context(ctx, inputs, output):
+        out, saved = output
+        ctx.mark_non_differentiable(*saved)
+        ctx.set_materialize_grads(False)  # no zero-filled gradients for ``saved`` (only ``out`` is used)
+        tensor_positions = [i for i, x in enumerate(inputs) if isinstance(x, Tensor) or x is None]
+        ctx.others = {i: x for i, x in enumerate(inputs) if i not in tensor_positions}
+        ctx.tensor_positions = tensor_positions
+        ctx.save_for_backward(*(inputs[i] for i in tensor_positions), out if saves_output else None, *saved)
+
+    def backward(ctx, grad_out, _grad_saved):
+        if grad_out is None:  # the output does not reach the loss
+            return (None,) * len(parameters)
+        tensors = ctx.saved_tensors
+        count = len(ctx.tensor_positions)
+        inputs = [None] * len(parameters)
+        for i, tensor in zip(ctx.tensor_positions, tensors[:count]):
+            inputs[i] = tensor
+        for i, value in ctx.others.items():
+            inputs[i] = value
+        out, saved = tensors[count], list(tensors[count + 1 :])
+        needs_grad = [bool(ctx.needs_input_grad[i]) and inputs[i] is not None for i in grad_positions]
+        grads = backward_op(grad_out, out, saved, needs_grad, *inputs)
+        result = [None] * len(parameters)
+        for i, grad, needed in zip(grad_positions, grads, needs_grad):
+            result[i] = grad if needed else None
+        return tuple(result)
+
+    forward_op.register_autograd(backward, setup_context=setup_context)
+    return Op(name, forward_op, backward_op, path_of)
+
+
+def _custom_op(name: str, impl: Callable, parameters: list[inspect.Parameter], returns) -> Callable:
+    # custom_op infers the schema from the signature; the generic impl takes the inputs positionally
+    impl.__signature__ = inspect.Signature(
+        [p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD, default=inspect.Parameter.empty) for p in parameters],
+        return_annotation=returns,
+    )
+    return torch.library.custom_op(name, impl, mutates_args=())
+
+
+def _parameter(name: str, annotation) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=annotation)
+
+
+def _check_backend(name: str, backend: str) -> None:
+    known = {backends.REFERENCE, *(b for kind in backends.CANDIDATES.values() for b in kind)}
+    if backend not in known:
+        raise ValueError(f"{name}: unknown backend {backend!r}; expected one of {sorted(known)}.")
+
+
+def _autocast_off(like: Tensor):
+    device_type = like.device.type
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _gradient_like(tensor: Tensor | None) -> Tensor:
+    """The layout every gradient has, real or fake: ``empty_like`` of its input (a placeholder for None)."""
+    if tensor is None:
+        return torch.empty(PLACEHOLDER_SHAPE)
+    return torch.empty_like(tensor)
+
+
+def _as_gradient(grad: Tensor | None, tensor: Tensor | None) -> Tensor:
+    """A path's gradient in its input's dtype and in ``empty_like(input)``'s layout, as the fake promises."""
+    if tensor is None:
+        return torch.empty(PLACEHOLDER_SHAPE)
+    like = torch.empty_like(tensor)
+    if grad is None:  # not needed by autograd: any values do
+        return like.zero_()
+    if grad.dtype == like.dtype and grad.shape == like.shape and grad.stride() == like.stride():
+        return grad
+    return like.copy_(grad.reshape(like.shape))

@@ -1,0 +1,69 @@
+"""The gated delta rule on CUDA through flash-linear-attention's own forward/backward functions.
+
+Read in fla-core 0.6.0 (``fla/ops/gated_delta_rule/chunk.py``): ``l2norm_fwd``/``l2norm_bwd`` and
+``chunk_gated_delta_rule_fwd``/``chunk_gated_delta_rule_bwd``, saving what fla's autograd Function saves, so nothing
+is recomputed. Chunk indices are built from the host copy of the boundaries (see ``ops/_fla.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import backends
+from .._fla import chunk_indices, flat_row, kernel_device
+from .._scaffold import Path
+
+FLA_CHUNK = 64  # transformers' and fla's default chunk size (what the saved A is shaped by)
+FLA_MODULE = "fla.ops.gated_delta_rule.chunk"  # holds the fwd/bwd functions and imports l2norm + chunk indices
+
+
+def forward(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
+    fla = backends.load(FLA_MODULE)
+    q1, k1, v1, g1, beta1 = (flat_row(x) for x in (q, k, v, g, beta))
+    cu_seqlens = cu_seqlens.to(torch.int32)
+    with kernel_device(q):
+        norms = []
+        if use_qk_l2norm:
+            q1, q_rstd = fla.l2norm_fwd(q1)
+            k1, k_rstd = fla.l2norm_fwd(k1)
+            norms = [q1, q_rstd, k1, k_rstd]
+        g_cum, o, A = fla.chunk_gated_delta_rule_fwd(
+            q=q1, k=k1, v=v1, g=g1, beta=beta1, scale=scale, initial_state=None, output_final_state=False,
+            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices(fla, cu_seqlens, cu_seqlens_cpu, FLA_CHUNK),
+        )[:3]
+    B, T = q.shape[:2]
+    saved = [x.view(B, T, *x.shape[2:]) for x in norms] + [g_cum.view(g.shape), A.view(*v.shape[:3], FLA_CHUNK)]
+    return o.view(v.shape).to(q.dtype), saved
+
+
+def fake(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
+    """What :func:`forward` returns: fla's autograd Function saves normalised q, k with their rstd, the
+    chunk-local cumsum of g, and A."""
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    norms = []
+    if use_qk_l2norm:
+        for x in (q, k):
+            norms += [x.new_empty(x.shape), x.new_empty(B, T, H, dtype=torch.float32)]
+    saved = norms + [q.new_empty(B, T, HV, dtype=torch.float32), k.new_empty(B, T, HV, FLA_CHUNK)]
+    return v.new_empty(v.shape, dtype=q.dtype), saved
+
+
+def backward(do, o, saved, needs_grad, q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
+    fla = backends.load(FLA_MODULE)
+    v1, beta1, do1 = (flat_row(x) for x in (v, beta, do))
+    *norms, g_cum, A = (flat_row(x) for x in saved)
+    q1, q_rstd, k1, k_rstd = norms if use_qk_l2norm else (flat_row(q), None, flat_row(k), None)
+    cu_seqlens = cu_seqlens.to(torch.int32)
+    with kernel_device(q):
+        dq, dk, dv, dbeta, dg = fla.chunk_gated_delta_rule_bwd(
+            q=q1, k=k1, v=v1, g=g_cum, beta=beta1, A=A, scale=scale, initial_state=None, do=do1, dht=None,
+            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices(fla, cu_seqlens, cu_seqlens_cpu, FLA_CHUNK),
+        )[:5]
+        if use_qk_l2norm:
+            dq = fla.l2norm_bwd(q1, q_rstd, dq)
+            dk = fla.l2norm_bwd(k1, k_rstd, dk)
+    return dq, dk, dv, dg, dbeta
+
+
+PATH = Path(forward=forward, backward=backward, fake=fake)

@@ -1,0 +1,201 @@
+"""The gated delta rule's fast pure-torch path (any device, fp32 compute; fp64 stays fp64): masked chunks.
+
+transformers' chunked algorithm with per-token document masks: cross-document pairs inside a chunk are masked out
+of the UT system and the intra-chunk attention, and the state read, write and carry are masked at document starts.
+Every in-chunk accumulation (the cumulative decay, its gradient) restarts at document starts, so a document's
+results never depend on another document's values, not even by rounding. The chunk loop lives inside the op, so
+the compiler never unrolls it (the stock function recompiles for every new length).
+
+The backward is explicit: the forward saves the state at the start of every chunk; the backward recomputes the
+chunk-parallel quantities, runs one reverse loop over chunks for the state gradient (two small matmuls per chunk,
+no autograd), and derives every input gradient with batched matmuls.
+
+Layout inside: chunks first, ``[NC, H, G, C, D]`` with ``G = HV // H`` value heads per q/k head; q/k quantities
+keep a size-1 G axis, so ``q k^T`` and ``k k^T`` are computed once per q/k head.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .._chunked import (
+    compute_dtype,
+    from_chunks,
+    l2norm,
+    l2norm_backward,
+    segmented_cumsum,
+    segmented_cumsum_backward,
+    to_chunks,
+)
+from .._common import seq_idx_from_cu_seqlens
+from .._scaffold import Path
+
+# The chunk: exact for any value. Its [C, C] pair tensors cost T * C per op and the backward's elementwise passes
+# over them dominate a CPU step, while the sequential chunk loop costs T / C steps. Measured on a bench-like row
+# (8158 tokens, 56 lognormal documents, H=4, HV=8, K=V=32, 2 threads): backward 128 ms at 32, 191 ms at 64,
+# 109-145 ms at 16 (more loop steps); forward 48-53 ms at all three.
+CHUNK = 32
+
+
+class _Chunks:
+    """Everything chunk-parallel (no recurrence), computed once in the forward and recomputed in the backward.
+
+    Per chunk, with gamma the in-chunk cumulative log decay of each token's own document and masks from the
+    document id of each token: ``decay[i, j] = exp(gamma_i - gamma_j)`` for same-document ``j <= i`` (0 elsewhere);
+    ``A = I + strict_lower(beta_i k_i.k_j decay[i, j])``; ``U = A^-1 (beta v)``; ``W = A^-1 (beta e k)`` with
+    ``e_i = exp(gamma_i)`` where token i continues the document of the previous chunk (reads the state), else 0.
+    The recurrence is then ``v_new = U - W S``; ``o = (q e) S + (q k^T * decay) v_new``;
+    ``S' = carry * S + k_out^T v_new`` with ``k_out_j = k_j exp(gamma_C - gamma_j)`` for tokens j of the chunk's
+    last document and ``carry = exp(gamma_C)`` when that document started before the chunk (else 0).
+    """
+
+    def __init__(self, q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale):
+        B, T, H, K = q.shape
+        HV, V = v.shape[2:]
+        dtype = compute_dtype(q)
+        self.total, self.n_chunks, self.H, self.G = B * T, (B * T + CHUNK - 1) // CHUNK, H, HV // H
+        q_TK, self.q_rstd = l2norm(q.reshape(B * T, H, K).to(dtype), use_qk_l2norm)
+        k_TK, self.k_rstd = l2norm(k.reshape(B * T, H, K).to(dtype), use_qk_l2norm)
+        self.q_unit, self.k_unit = q_TK, k_TK  # normalised, unscaled: the l2norm backward needs them
+        nc = self.n_chunks
+        self.q = to_chunks(q_TK * scale, nc, CHUNK).unsqueeze(2)  # [NC, H, 1, C, K]
+        self.k = to_chunks(k_TK, nc, CHUNK).unsqueeze(2)
+        self.v = to_chunks(v.reshape(B * T, H, self.G, V).to(dtype), nc, CHUNK)  # [NC, H, G, C, V]
+        self.beta = to_chunks(beta.reshape(B * T, H, self.G, 1).to(dtype), nc, CHUNK).squeeze(-1)  # [NC, H, G, C]
+        self._masks(cu_seqlens)
+        g_chunks = to_chunks(g.reshape(B * T, H, self.G, 1).to(dtype), nc, CHUNK).squeeze(-1)
+        self.gamma = segmented_cumsum(g_chunks, self.same_doc)
+        self._intra()
+
+    def _masks(self, cu_seqlens: Tensor) -> None:
+        # padding tokens past cu_seqlens[-1] get their own document id, so they never touch real tokens
+        doc = seq_idx_from_cu_seqlens(cu_seqlens, self.n_chunks * CHUNK).view(self.n_chunks, CHUNK)
+        prev_last = F.pad(doc[:-1, -1], (1, 0), value=-1)  # document of the token before each chunk
+        causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=doc.device).tril()
+        self.same_doc = (doc[:, :, None] == doc[:, None, :]) & causal  # [NC, C, C] -> broadcasts over H, G
+        self.reads_state = (doc == prev_last[:, None])[:, None, None, :]  # [NC, 1, 1, C]
+        self.in_last_doc = (doc == doc[:, -1:])[:, None, None, :]
+
+    def _intra(self) -> None:
+        gamma, gamma_last = self.gamma, self.gamma[..., -1:]
+        pairwise = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~self.same_doc[:, None, None], -torch.inf)
+        self.decay = pairwise.exp()  # [NC, H, G, C, C]
+        self.e = gamma.exp() * self.reads_state  # [NC, H, G, C]
+        # the last document's decay to the chunk end: a difference within that document's own cumulative sum
+        self.out_decay = (gamma_last - gamma).masked_fill(~self.in_last_doc, -torch.inf).exp()
+        self.carry = gamma_last.exp() * self.reads_state[..., -1:]  # [NC, H, G, 1]
+        self.kk = self.k @ self.k.transpose(-1, -2)  # [NC, H, 1, C, C]
+        self.qk = self.q @ self.k.transpose(-1, -2)
+        eye = torch.eye(CHUNK, device=gamma.device, dtype=gamma.dtype)
+        self.A = (self.beta[..., None] * self.kk * self.decay).tril(-1) + eye
+        self.bk = self.k * (self.beta * self.e)[..., None]  # [NC, H, G, C, K]
+        rhs = torch.cat([self.v * self.beta[..., None], self.bk], -1)
+        uw = torch.linalg.solve_triangular(self.A, rhs, upper=False, unitriangular=True)
+        self.u, self.w = uw.split([self.v.shape[-1], self.k.shape[-1]], -1)
+        self.qe = self.q * self.e[..., None]  # [NC, H, G, C, K]
+        self.attn = self.qk * self.decay
+        self.k_out = self.k * self.out_decay[..., None]
+
+
+def forward(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
+    c = _Chunks(q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale)
+    states = _chunk_start_states(c.u, c.w, c.k_out, c.carry)
+    v_new = c.u - c.w @ states
+    o = c.qe @ states + c.attn @ v_new  # [NC, H, G, C, V]
+    o = from_chunks(o.flatten(1, 2), c.total).reshape(v.shape).to(q.dtype)
+    # flat, so the chunk count is never a dimension of its own: the compiler specialises a size-1 dimension,
+    # which would cost one recompile for every batch of at most one chunk
+    return o, [states.view(-1)]
+
+
+def fake(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
+    B, T, H, K = q.shape
+    HV, V = v.shape[2:]
+    n_chunks = (B * T + CHUNK - 1) // CHUNK
+    states = q.new_empty(n_chunks * HV * K * V, dtype=compute_dtype(q))  # the state at every chunk start, flat
+    return v.new_empty(v.shape, dtype=q.dtype), [states]
+
+
+def _chunk_start_states(u: Tensor, w: Tensor, k_out: Tensor, carry: Tensor) -> Tensor:
+    """The recurrent state at the start of every chunk, ``[NC, H, G, K, V]`` (zero before the first chunk)."""
+    n_chunks = u.shape[0]
+    states = u.new_empty(*u.shape[:3], w.shape[-1], u.shape[-1])
+    states[0].zero_()
+    k_out_t = k_out.transpose(-1, -2)
+    for i in range(n_chunks - 1):
+        v_new = u[i] - w[i] @ states[i]
+        torch.addcmul(k_out_t[i] @ v_new, carry[i][..., None], states[i], out=states[i + 1])
+    return states
+
+
+def backward(do, o, saved, needs_grad, q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
+    (flat_states,) = saved
+    c = _Chunks(q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale)
+    states = flat_states.view(*c.u.shape[:3], c.w.shape[-1], c.u.shape[-1])  # [NC, H, G, K, V]
+    do_c = to_chunks(do.reshape(c.total, c.H, c.G, -1).to(c.v.dtype), c.n_chunks, CHUNK)  # [NC, H, G, C, V]
+    v_new = c.u - c.w @ states
+    d_states_end = _chunk_end_state_grads(do_c, c)  # dL/dS' for every chunk
+    d_v_new = c.attn.transpose(-1, -2) @ do_c + c.k_out @ d_states_end
+    d_w = -(d_v_new @ states.transpose(-1, -2))
+    d_qe = do_c @ states.transpose(-1, -2)
+    d_attn = do_c @ v_new.transpose(-1, -2)
+    d_k_out = v_new @ d_states_end.transpose(-1, -2)
+    d_carry = (states * d_states_end).sum((-2, -1))[..., None]  # [NC, H, G, 1]
+
+    # through U, W = A^-1 [beta v, beta e k]: d rhs = A^-T [dU, dW]; dA = -(d rhs) [U, W]^T on the strict lower part
+    d_rhs = torch.linalg.solve_triangular(
+        c.A.transpose(-1, -2), torch.cat([d_v_new, d_w], -1), upper=True, unitriangular=True
+    )
+    d_bv, d_bk = d_rhs.split([c.v.shape[-1], c.k.shape[-1]], -1)
+    d_A = -(d_bv @ c.u.transpose(-1, -2) + d_bk @ c.w.transpose(-1, -2)).tril(-1)
+
+    # A = beta_i kk_ij decay_ij (strict lower), attn = qk_ij decay_ij
+    # each [C, C] product is formed once and reused: on CPU these elementwise passes dominate the backward
+    d_A_decay = d_A * c.decay
+    d_attn_decay = d_attn * c.decay
+    d_beta = (d_A_decay * c.kk).sum(-1) + (d_bv * c.v).sum(-1) + (d_bk * c.k).sum(-1) * c.e
+    d_kk_pairs = d_A_decay * c.beta[..., None]
+    d_kk = d_kk_pairs.sum(2, keepdim=True)
+    d_qk = d_attn_decay.sum(2, keepdim=True)
+    d_decay_x_decay = torch.addcmul(d_kk_pairs * c.kk, d_attn_decay, c.qk)
+    d_gamma = d_decay_x_decay.sum(-1) - d_decay_x_decay.sum(-2)
+    d_gamma = d_gamma + (d_qe * c.qe).sum(-1) + (d_bk * c.bk).sum(-1)
+    d_k_out_x_k_out = (d_k_out * c.k_out).sum(-1)
+    d_gamma = d_gamma - d_k_out_x_k_out
+    d_gamma[..., -1:] += d_k_out_x_k_out.sum(-1, keepdim=True) + d_carry * c.carry
+
+    d_q = d_qk @ c.k + (d_qe * c.e[..., None]).sum(2, keepdim=True)
+    d_k = (d_kk + d_kk.transpose(-1, -2)) @ c.k + d_qk.transpose(-1, -2) @ c.q
+    d_k = d_k + (d_bk * (c.beta * c.e)[..., None] + d_k_out * c.out_decay[..., None]).sum(2, keepdim=True)
+    d_v = d_bv * c.beta[..., None]
+    d_g = segmented_cumsum_backward(d_gamma, c.same_doc)  # gamma is a per-document cumsum of g within the chunk
+
+    d_q = l2norm_backward(from_chunks(d_q.squeeze(2), c.total) * scale, c.q_unit, c.q_rstd)
+    d_k = l2norm_backward(from_chunks(d_k.squeeze(2), c.total), c.k_unit, c.k_rstd)
+    return (
+        d_q.reshape(q.shape),
+        d_k.reshape(k.shape),
+        from_chunks(d_v.flatten(1, 2), c.total).reshape(v.shape),
+        from_chunks(d_g.flatten(1, 2)[..., None], c.total).reshape(g.shape),
+        from_chunks(d_beta.flatten(1, 2)[..., None], c.total).reshape(beta.shape),
+    )
+
+
+def _chunk_end_state_grads(do_c: Tensor, c: _Chunks) -> Tensor:
+    """Reverse loop: the gradient of the loss w.r.t. the state at the end of every chunk (zero after the last)."""
+    # per chunk: dv_new = attn^T do + k_out dS';  dS = (q e)^T do - W^T dv_new + carry dS'
+    d_v_new_local = c.attn.transpose(-1, -2) @ do_c
+    d_state_local = c.qe.transpose(-1, -2) @ do_c
+    w_t = c.w.transpose(-1, -2)
+    d_states_end = torch.empty_like(d_state_local)
+    d_states_end[-1].zero_()
+    for i in range(c.n_chunks - 1, 0, -1):
+        d_v_new = d_v_new_local[i] + c.k_out[i] @ d_states_end[i]
+        d_prev = torch.addcmul(d_state_local[i] - w_t[i] @ d_v_new, c.carry[i][..., None], d_states_end[i])
+        d_states_end[i - 1].copy_(d_prev)
+    return d_states_end
+
+
+PATH = Path(forward=forward, backward=backward, fake=fake)
