@@ -8,7 +8,7 @@ from .attention import varlen_attention
 from .causal_conv1d import causal_conv1d_varlen
 from .gated_delta_rule import gated_delta_rule_varlen
 from .kimi_delta_attention import kimi_delta_attention_varlen
-from .mamba2 import mamba2_chunk_scan_varlen, mamba2_split_conv1d_scan_varlen
+from .mamba2 import mamba2_chunk_scan_varlen
 from .selective_scan import selective_scan_varlen
 
 __all__ = [
@@ -16,7 +16,6 @@ __all__ = [
     "gated_delta_rule_varlen",
     "kimi_delta_attention_varlen",
     "mamba2_chunk_scan_varlen",
-    "mamba2_split_conv1d_scan_varlen",
     "selective_scan_varlen",
     "varlen_attention",
 ]
