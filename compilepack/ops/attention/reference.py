@@ -1,0 +1,153 @@
+"""Varlen attention's pure-torch path (any device): one attention call per document, explicit backward.
+
+Each document is attended on its own slice of q, k, v, so a document's output and gradients are computed from its
+own tokens only (isolation is exact by construction). On CPU each document goes through the CPU flash-attention
+kernel (tiled: the ``L x L`` scores are never materialised, and it returns the log-sum-exp the backward needs);
+elsewhere through explicit math. Both compute in ``compute_dtype(q)`` (float32, or float64 for float64 inputs, so
+fp64 gradchecks test the exact formulas); the saved log-sum-exp is in that dtype too.
+
+The document loop needs the boundaries as Python ints: they are read from ``cu_seqlens_cpu`` when the caller has the
+host copy, so a CUDA ``cu_seqlens`` is never copied back to the host; otherwise from ``cu_seqlens`` (free on CPU).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .._chunked import compute_dtype
+from .._common import host_boundaries
+from .._scaffold import Path
+
+# ``window_left`` when there is no sliding window: flash-attn's and torch's "unbounded" (-1), passed through as is
+NO_WINDOW = -1
+
+
+def forward(q, k, v, cu_seqlens, cu_seqlens_cpu, max_seqlen, causal, scale, window_left):
+    dtype = compute_dtype(q)
+    total, heads = q.shape[:2]
+    groups = heads // k.shape[1]
+    out = q.new_zeros(total, heads, v.shape[2])
+    lse = q.new_zeros(heads, total, dtype=dtype)
+    for start, end in _documents(cu_seqlens, cu_seqlens_cpu, total):
+        q_d, k_d, v_d = (_heads_first(x, start, end, g, dtype) for x, g in ((q, 1), (k, groups), (v, groups)))
+        mask = _window_mask(end - start, causal, window_left, q.device)
+        out_d, lse_d = _document_forward(q_d, k_d, v_d, causal, scale, mask)
+        out[start:end] = out_d[0].transpose(0, 1)
+        lse[:, start:end] = lse_d[0]
+    return out, [lse]
+
+
+def fake(q, k, v, cu_seqlens, cu_seqlens_cpu, max_seqlen, causal, scale, window_left):
+    total, heads = q.shape[:2]
+    return q.new_empty(total, heads, v.shape[2]), [q.new_empty(heads, total, dtype=compute_dtype(q))]
+
+
+def backward(grad_out, out, saved, needs_grad, q, k, v, cu_seqlens, cu_seqlens_cpu, max_seqlen, causal, scale,
+             window_left):
+    (lse,) = saved
+    dtype = lse.dtype
+    total, heads, kv_heads = q.shape[0], q.shape[1], k.shape[1]
+    groups = heads // kv_heads
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for start, end in _documents(cu_seqlens, cu_seqlens_cpu, total):
+        q_d, k_d, v_d = (_heads_first(x, start, end, g, dtype) for x, g in ((q, 1), (k, groups), (v, groups)))
+        out_d, grad_d = (_heads_first(x, start, end, 1, dtype) for x in (out, grad_out))
+        mask = _window_mask(end - start, causal, window_left, q.device)
+        dq_d, dk_d, dv_d = _document_backward(grad_d, q_d, k_d, v_d, out_d, lse[None, :, start:end], causal, scale,
+                                              mask)
+        length = end - start
+        dq[start:end] = dq_d[0].transpose(0, 1)
+        # GQA: a key/value head's gradient is the sum over the query heads that shared it
+        dk[start:end] = dk_d[0].view(kv_heads, groups, length, -1).sum(1).transpose(0, 1)
+        dv[start:end] = dv_d[0].view(kv_heads, groups, length, -1).sum(1).transpose(0, 1)
+    return dq, dk, dv
+
+
+def _documents(cu_seqlens: Tensor, cu_seqlens_cpu: Tensor | None, total: int) -> list[tuple[int, int]]:
+    """(start, end) of every non-empty document; refuses boundaries that do not cover the tokens exactly."""
+    bounds = host_boundaries(cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu)
+    if bounds[0] != 0 or bounds[-1] != total:
+        raise ValueError(
+            f"varlen_attention: cu_seqlens must start at 0 and end at the token count {total}; "
+            f"got {bounds[0]} ... {bounds[-1]}. Tokens outside the documents would be dropped."
+        )
+    return [(s, e) for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+
+
+def _heads_first(x: Tensor, start: int, end: int, groups: int, dtype: torch.dtype) -> Tensor:
+    """Document slice of ``[T, h, d]`` as ``[1, h * groups, L, d]`` in ``dtype`` (GQA heads repeated for the
+    kernel, which takes one head count)."""
+    x = x[start:end].transpose(0, 1).to(dtype)
+    if groups > 1:
+        x = x.repeat_interleave(groups, dim=0)
+    return x.unsqueeze(0)
+
+
+def _window_mask(length: int, causal: bool, window_left: int, device) -> Tensor | None:
+    """Boolean ``[L, L]`` mask (True = attend) when a window applies; None when plain causal/full suffices."""
+    if window_left == NO_WINDOW:
+        return None
+    idx = torch.arange(length, device=device)
+    distance = idx[:, None] - idx[None, :]
+    allowed = distance <= window_left
+    if causal:
+        allowed &= distance >= 0
+    else:
+        allowed &= distance >= -window_left
+    return allowed
+
+
+def _document_forward(q, k, v, causal, scale, mask):
+    """One document, ``[1, H, L, D]``: output and log-sum-exp ``[1, H, L]``, in q's dtype."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal and mask is None, attn_mask=_additive(mask, q.dtype), scale=scale
+        )
+    return _math_forward(q, k, v, causal, scale, mask)
+
+
+def _document_backward(grad_out, q, k, v, out, lse, causal, scale, mask):
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, q, k, v, out, lse, 0.0, causal and mask is None, attn_mask=_additive(mask, q.dtype), scale=scale
+        )
+    return _math_backward(grad_out, q, k, v, out, lse, causal, scale, mask)
+
+
+def _math_forward(q, k, v, causal, scale, mask):
+    """Off CPU: the masked scores in full (``[H, L, L]`` per document)."""
+    scores = _masked_scores(q, k, causal, scale, mask)
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.exp(scores - lse.unsqueeze(-1)) @ v, lse
+
+
+def _math_backward(grad_out, q, k, v, out, lse, causal, scale, mask):
+    probs = torch.exp(_masked_scores(q, k, causal, scale, mask) - lse.unsqueeze(-1))
+    grad_v = probs.transpose(-1, -2) @ grad_out
+    grad_probs = grad_out @ v.transpose(-1, -2)
+    delta = (grad_out * out).sum(-1, keepdim=True)  # = sum_j P_ij dP_ij: the softmax backward's row term
+    grad_scores = probs * (grad_probs - delta) * scale
+    return grad_scores @ k, grad_scores.transpose(-1, -2) @ q, grad_v
+
+
+def _additive(mask: Tensor | None, dtype) -> Tensor | None:
+    """The CPU flash kernel takes a float mask of the query dtype: 0 where allowed, -inf elsewhere."""
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, -math.inf)
+
+
+def _masked_scores(q, k, causal, scale, mask):
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if mask is None and causal:
+        length = q.shape[-2]
+        mask = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, -math.inf)
+    return scores
+
+
+PATH = Path(forward=forward, backward=backward, fake=fake)

@@ -1,0 +1,54 @@
+"""Varlen attention on CUDA through torch's own varlen ops (``torch.ops.torch_attn._varlen_attn`` and
+``_varlen_attn_backward``, registered by importing ``torch.nn.attention.varlen``).
+
+The forward returns the output (q's shape), a float32 ``[H, T]`` log-sum-exp and an rng state; without dropout the
+state is unused, so the backward is handed zeros. GQA is the op's ``enable_gqa`` flag.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import backends
+from .._scaffold import Path
+from .reference import NO_WINDOW
+
+TORCH_VARLEN_MODULE = "torch.nn.attention.varlen"
+
+
+def _window(causal: bool, window_left: int) -> tuple[bool, list[int]]:
+    """torch's varlen op takes is_causal only for unwindowed causal attention, else a (left, right) window."""
+    if causal and window_left == NO_WINDOW:
+        return True, [-1, -1]
+    return False, [window_left, 0 if causal else window_left]
+
+
+def forward(q, k, v, cu_seqlens, cu_seqlens_cpu, max_seqlen, causal, scale, window_left):
+    backends.load(TORCH_VARLEN_MODULE)  # registers torch.ops.torch_attn
+    is_causal, window = _window(causal, window_left)
+    out, lse, _ = torch.ops.torch_attn._varlen_attn(
+        q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+        is_causal, scale, window, q.shape[1] != k.shape[1], None, None, None,
+    )
+    return out, [lse]
+
+
+def fake(q, k, v, cu_seqlens, cu_seqlens_cpu, max_seqlen, causal, scale, window_left):
+    total, heads = q.shape[:2]
+    return q.new_empty(total, heads, v.shape[2]), [q.new_empty(heads, total, dtype=torch.float32)]
+
+
+def backward(grad_out, out, saved, needs_grad, q, k, v, cu_seqlens, cu_seqlens_cpu, max_seqlen, causal, scale,
+             window_left):
+    backends.load(TORCH_VARLEN_MODULE)
+    (lse,) = saved
+    is_causal, window = _window(causal, window_left)
+    rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: the state is unused
+    dq, dk, dv = torch.ops.torch_attn._varlen_attn_backward(
+        grad_out.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out, lse, cu_seqlens, cu_seqlens,
+        max_seqlen, max_seqlen, is_causal, rng_state, scale, window,
+    )
+    return dq, dk, dv
+
+
+PATH = Path(forward=forward, backward=backward, fake=fake)
