@@ -4,10 +4,6 @@ Sizes of one small Bamba-style Mamba2 layer (hidden 256, expand 2): 8 heads of w
 B/C group, state 64, chunk 256 (Bamba's default; 64 is measured too), one packed row (b = 1). dt, A, D and
 dt_bias are made as the model makes them (softplus-ed dt around 0.1, A = -exp(A_log) in [-8, -1]). The stock
 function runs on the packed row without boundaries (wrong, but the cost baseline).
-
-``setup_split`` does the same for the fused training path (``mamba2_split_conv1d_scan_varlen`` after the
-in-projection vs transformers' unfused ``BambaMixer`` forward on the packed row, in-projection included in
-both).
 """
 
 from __future__ import annotations
@@ -73,41 +69,6 @@ def setup(
     return {"stock": stock, "packed": packed, "inputs": inputs}
 
 
-def setup_split(T: int = 2048, n_docs: int = 16, device: str = "cpu", seed: int = 0, *, chunk_size: int = 256) -> dict:
-    """The fused Bamba mixer path: transformers' ``BambaMixer`` (training, unfused torch math) vs the
-    in-projection followed by ``mamba2_split_conv1d_scan_varlen``."""
-    from transformers import BambaConfig
-    from transformers.models.bamba.modeling_bamba import BambaMixer
-
-    from compilepack.ops.mamba2 import mamba2_split_conv1d_scan_varlen
-
-    generator = torch.Generator().manual_seed(seed)
-    seq_idx = _seq_idx(doc_lengths_of(T, n_docs, generator), device)
-    config = BambaConfig(
-        hidden_size=256, mamba_n_heads=8, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=64,
-        mamba_chunk_size=chunk_size, mamba_expand=2, mamba_d_conv=4, num_hidden_layers=1, attn_layer_indices=[],
-    )
-    torch.manual_seed(seed)
-    mixer = BambaMixer(config, 0).to(device).train()
-    hidden = torch.randn(1, T, 256, generator=generator).to(device).requires_grad_()
-    backend = _backend(device)
-
-    def stock():
-        return mixer(hidden)
-
-    def packed():
-        return mamba2_split_conv1d_scan_varlen(
-            mixer.in_proj(hidden), mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.dt_bias,
-            -torch.exp(mixer.A_log.float()), mixer.D, mixer.chunk_size, seq_idx=seq_idx,
-            dt_limit=mixer.time_step_limit, activation=mixer.activation, rmsnorm_weight=mixer.norm.weight,
-            rmsnorm_eps=mixer.norm.variance_epsilon, outproj_weight=mixer.out_proj.weight,
-            outproj_bias=mixer.out_proj.bias, headdim=mixer.head_dim, ngroups=mixer.n_groups,
-            norm_before_gate=False, backend=backend,
-        )
-
-    return {"stock": stock, "packed": packed, "inputs": [hidden, *mixer.parameters()]}
-
-
 def _main() -> None:
     """Stock vs packed on 2 threads. Timings alternate stock and packed so that load from other processes
     hits both alike; each number is a median over repeats, the ratio the median of per-repeat ratios."""
@@ -125,7 +86,6 @@ def _main() -> None:
         return (time.perf_counter() - start) * 1e3
 
     cases = [(f"scan chunk {c}", setup(chunk_size=c)) for c in (64, 256)]
-    cases += [(f"fused mixer chunk {c}", setup_split(chunk_size=c)) for c in (64, 256)]
     for label, case in cases:
         grad = torch.randn_like(case["stock"]().detach())
         modes = {"fwd": lambda fn: fn(), "fwd+bwd": lambda fn: fn().backward(grad)}
@@ -138,7 +98,7 @@ def _main() -> None:
                     times[name].append(once_ms(lambda: run(case[name])))
             times = {name: values[2:] for name, values in times.items()}  # warm-up
             ratio = statistics.median(p / s for p, s in zip(times["packed"], times["stock"]))
-            print(f"{label:>22} {mode:>8}: stock {statistics.median(times['stock']):7.1f} ms  "
+            print(f"{label:>14} {mode:>8}: stock {statistics.median(times['stock']):7.1f} ms  "
                   f"packed {statistics.median(times['packed']):7.1f} ms  ratio {ratio:.2f}")
 
 
