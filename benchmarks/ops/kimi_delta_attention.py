@@ -58,7 +58,7 @@ def setup(
         return stock_kda(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]
 
     def packed():
-        return kimi_delta_attention_varlen(*inputs, cu_seqlens, use_qk_l2norm_in_kernel=True, backend=backend)
+        return kimi_delta_attention_varlen(*inputs, cu_seqlens, use_qk_l2norm=True, backend=backend)
 
     return {"stock": stock, "packed": packed, "inputs": inputs}
 

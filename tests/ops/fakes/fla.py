@@ -11,12 +11,14 @@ import types
 import torch
 
 from compilepack.ops.gated_delta_rule import reference as gdr_reference
+from compilepack.ops.kimi_delta_attention import reference as kda_reference
 
 FLA_CHUNK = 64
 
 
 class FakeFla(types.SimpleNamespace):
-    """``fla.ops.gated_delta_rule.chunk`` (and the helpers it imports) for ``total`` packed tokens."""
+    """``fla.ops.gated_delta_rule.chunk`` or ``fla.ops.kda.chunk`` (and the helpers they import) for ``total``
+    packed tokens."""
 
     def __init__(self, total: int):
         super().__init__(calls=[], total=total, host_boundaries=[])
@@ -74,4 +76,35 @@ class FakeFla(types.SimpleNamespace):
         o, saved = gdr_reference.forward(q, k, v, g, beta, cu_seqlens, None, False, scale)
         needs = [True] * 5
         dq, dk, dv, dg, db = gdr_reference.backward(do, o, saved, needs, q, k, v, g, beta, cu_seqlens, None, False, scale)
+        return dq, dk, dv, db, dg, None, None, None
+
+    def check_kda_inputs(self, q, k, v, g, beta, scale, cu_seqlens, chunk_indices, initial_state, chunk_size):
+        self.check_inputs(q, k, v, scale, cu_seqlens, chunk_indices, initial_state, g, beta)
+        assert g.shape == (*v.shape[:3], q.shape[-1]), "KDA's gate is per key channel: [1, T, HV, K]"
+        assert q.shape[-1] <= 256, "fla's chunk_kda asserts K <= 256"
+        assert type(chunk_size) is int and chunk_size == FLA_CHUNK
+
+    def chunk_kda_fwd(
+        self, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens=None, chunk_indices=None,
+        chunk_size=64,
+    ):
+        self.calls.append("fwd")
+        self.check_kda_inputs(q, k, v, g, beta, scale, cu_seqlens, chunk_indices, initial_state, chunk_size)
+        assert output_final_state is False
+        o, _ = kda_reference.forward(q, k, v, g, beta, cu_seqlens, None, False, scale)
+        A = k.new_zeros(*v.shape[:3], FLA_CHUNK)
+        g_cum = g.float() * 1.0  # stands for fla's chunk-local cumsum; the fake backward reads it back as g
+        return o.to(v.dtype), None, g_cum, A, A.clone(), None, None, None, None, None, None, None
+
+    def chunk_kda_bwd(
+        self, q, k, v, beta, Aqk, Akk, scale, initial_state, do, dht, g, cu_seqlens=None, chunk_indices=None,
+        chunk_size=64,
+    ):
+        self.calls.append("bwd")
+        self.check_kda_inputs(q, k, v, g, beta, scale, cu_seqlens, chunk_indices, initial_state, chunk_size)
+        assert g.dtype == torch.float32 and dht is None
+        assert Aqk.shape == Akk.shape == (*v.shape[:3], FLA_CHUNK)
+        o, saved = kda_reference.forward(q, k, v, g, beta, cu_seqlens, None, False, scale)
+        grads = kda_reference.backward(do, o, saved, [True] * 5, q, k, v, g, beta, cu_seqlens, None, False, scale)
+        dq, dk, dv, dg, db = grads
         return dq, dk, dv, db, dg, None, None, None
