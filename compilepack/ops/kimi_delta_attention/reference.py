@@ -7,9 +7,9 @@ the in-chunk cumulative log decay), is a K-vector per pair, and ``QK_ij = sum_c 
 ~88 nats inside a chunk. As in fla's kernels, a chunk is cut into sub-chunks of ``SUB`` tokens:
 
 - pairs inside one sub-chunk are formed elementwise, over ``[SUB, SUB, K]``;
-- pairs with ``j`` in an earlier sub-chunk than ``i`` go through the last token ``r`` of the sub-chunk before
-  ``i``'s, which lies between them: ``exp(G_i - G_r) exp(G_r - G_j)``, two factors <= 1 (decays are <= 0), so
-  these pairs are matmuls that cannot overflow.
+- pairs with ``j`` in an earlier sub-chunk than ``i`` go through two sub-chunk ends between them, ``r`` the last
+  token before ``i``'s sub-chunk and ``e`` the last of ``j``'s: ``exp(G_i - G_r) exp(G_r - G_e) exp(G_e - G_j)``,
+  three factors <= 1 (decays are <= 0), so these pairs are matmuls that cannot overflow.
 
 Documents: ``G`` restarts at every document start (a segmented cumsum) and every mask is applied to an exponent
 (-inf) before any sum, so a factor whose tokens lie in two documents is an exact zero and a document's results
@@ -47,12 +47,11 @@ from .._chunked import (
 from .._common import seq_idx_from_cu_seqlens
 from .._scaffold import Path
 
-# Chunk and sub-chunk, both exact for any value. The sub-chunk pair tensors cost T * SUB * K per head, the links
-# between sub-chunks T * (CHUNK / SUB) * K, the chunk loop T / CHUNK steps of three small calls. Measured on the op
-# benchmark's row (2048 tokens, 16 documents, 4 heads, fwd+bwd, interleaved repeats): on 1 thread (CPU time)
-# 32/4 costs 165 ms at K = V = 64 and 355 ms at 128, against 175/475 for 32/8, 215/475 for 64/8, 245/475 for
-# 64/4 and 145/500 for the former single-level chunk of 8; on 2 shared cores 32/4 matches that chunk of 8 run
-# with its loops on one thread (a process-wide thread-count switch, since removed), which alone ran 1.5x slower.
+# Chunk and sub-chunk (exact for any values). Per head and token, the sub-chunk pair tensors cost SUB * K, the
+# links across sub-chunks (CHUNK / SUB) * K; the state loop runs T / CHUNK steps of three small calls. Measured on
+# the op benchmark's row (2048 tokens, 16 documents, 4 heads; fwd+bwd; 1 thread, CPU time, variants interleaved):
+# 32/4: 165 ms at K = V = 64, 355 ms at 128; 32/8: 175/475; 64/8: 215/475; 64/4: 245/475; 32/2: 225/465. On 2
+# threads 32/4 takes 87 ms at 64, the former single-level chunk of 8 (256 loop steps, not 64) 104-111 ms.
 CHUNK = 32
 SUB = 4
 M = CHUNK // SUB  # sub-chunks per chunk
@@ -94,22 +93,26 @@ class _Chunks:
         H, K = q.shape[2:]
         self.total, self.H, self.G = q.shape[0] * q.shape[1], H, v.shape[2] // H
         self.n_chunks = -(-self.total // CHUNK)
-        dtype = compute_dtype(q)
+        self.dtype = compute_dtype(q)
         # normalised, unscaled q and k: the l2norm backward needs them
-        self.q_unit, self.q_rstd = l2norm(q.reshape(self.total, H, K).to(dtype), use_qk_l2norm)
-        self.k_unit, self.k_rstd = l2norm(k.reshape(self.total, H, K).to(dtype), use_qk_l2norm)
-
-        def chunked(x: Tensor) -> Tensor:  # [total, H * (G or 1) * D] tokens -> [NC, H, G or 1, C, D]
-            return to_chunks(x.reshape(self.total, H, -1, x.shape[-1]).to(dtype), self.n_chunks, CHUNK)
-
-        self.q, self.k = chunked(self.q_unit * scale), chunked(self.k_unit)  # [NC, H, 1, C, K]
-        self.v, self.g = chunked(v), chunked(g)  # [NC, H, G, C, V], [NC, H, G, C, K]
-        self.beta = chunked(beta[..., None])  # [NC, H, G, C, 1]
+        self.q_unit, self.q_rstd = l2norm(q.reshape(self.total, H, K).to(self.dtype), use_qk_l2norm)
+        self.k_unit, self.k_rstd = l2norm(k.reshape(self.total, H, K).to(self.dtype), use_qk_l2norm)
+        self.q, self.k = self.chunked(self.q_unit * scale), self.chunked(self.k_unit)  # [NC, H, 1, C, K]
+        self.v, self.g = self.chunked(v), self.chunked(g)  # [NC, H, G, C, V], [NC, H, G, C, K]
+        self.beta = self.chunked(beta[..., None])  # [NC, H, G, C, 1]
         self._masks(cu_seqlens)
         self.gamma = segmented_cumsum(self.g, self.same_doc, tokens_dim=-2)  # restarts at document starts
         self._decays()
         self._pairs()
         self._solve()
+
+    def chunked(self, x: Tensor) -> Tensor:
+        """Tokens ``[B, T, H * (G or 1), D]`` (or ``[B*T, H, D]``) -> ``[NC, H, G or 1, C, D]`` in the compute dtype."""
+        return to_chunks(x.reshape(self.total, self.H, -1, x.shape[-1]).to(self.dtype), self.n_chunks, CHUNK)
+
+    def tokens(self, x: Tensor) -> Tensor:
+        """``[NC, H, G, C, D]`` -> ``[B*T, H*G, D]``, the inverse of :meth:`chunked`."""
+        return from_chunks(x.flatten(1, 2), self.total)
 
     def _masks(self, cu_seqlens: Tensor) -> None:
         # padding tokens past cu_seqlens[-1] get their own document id, so they never touch real tokens
@@ -175,16 +178,15 @@ def forward(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
     c = _Chunks(q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale)
     states, v_new = _chunk_start_states(c)
     o = c.qe @ states + c.qk @ v_new  # [NC, H, G, C, V]
-    o = from_chunks(o.flatten(1, 2), c.total).reshape(v.shape).to(q.dtype)
-    # flat, so the chunk count is never a dimension of its own: the compiler specialises a size-1 dimension,
-    # which would cost one recompile for every batch of at most one chunk
-    return o, [states.view(-1)]
+    # the states flat: a chunk-count dimension of size 1 would be specialised by the compiler (a recompile for
+    # every batch of at most one chunk)
+    return c.tokens(o).reshape(v.shape).to(q.dtype), [states.view(-1)]
 
 
 def fake(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
-    B, T, H, K = q.shape
-    HV, V = v.shape[2:]
-    states = q.new_empty(-(-B * T // CHUNK) * HV * K * V, dtype=compute_dtype(q))  # at every chunk start, flat
+    """What :func:`forward` returns: o in q's dtype; the chunk-start states in the compute dtype, flat."""
+    n_chunks = -(-q.shape[0] * q.shape[1] // CHUNK)
+    states = q.new_empty(n_chunks * v.shape[2] * q.shape[3] * v.shape[3], dtype=compute_dtype(q))
     return v.new_empty(v.shape, dtype=q.dtype), [states]
 
 
@@ -205,10 +207,9 @@ def _chunk_start_states(c: _Chunks) -> tuple[Tensor, Tensor]:
 
 
 def backward(do, o, saved, needs_grad, q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
-    (flat_states,) = saved
     c = _Chunks(q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale)
-    states = flat_states.view(*c.u.shape[:3], c.w.shape[-1], c.u.shape[-1])  # [NC, H, G, K, V]
-    do_c = to_chunks(do.reshape(c.total, c.H, c.G, -1).to(c.v.dtype), c.n_chunks, CHUNK)  # [NC, H, G, C, V]
+    do_c = c.chunked(do)  # [NC, H, G, C, V]
+    states = saved[0].view(*c.u.shape[:3], c.w.shape[-1], c.u.shape[-1])  # [NC, H, G, K, V]
     v_new = c.u - c.w @ states
     # per chunk: dv_new = QK^T do + (k O) dS';  dS = (q E)^T do - W^T dv_new + carry dS'
     d_v_new = c.qk.transpose(-1, -2) @ do_c
@@ -239,11 +240,9 @@ def backward(do, o, saved, needs_grad, q, k, v, g, beta, cu_seqlens, cu_seqlens_
     d_gamma[..., -1:, :] += d_k_out_x_k_out.sum(-2, keepdim=True) + d_carry * c.carry
     d_g = segmented_cumsum_backward(d_gamma, c.same_doc, tokens_dim=-2)  # G is a per-document cumsum of g
 
-    tokens = lambda x: from_chunks(x.flatten(1, 2), c.total)  # noqa: E731  [NC, H, G, C, D] -> [total, H*G, D]
-    d_q = l2norm_backward(tokens(d_q.sum(2, keepdim=True)) * scale, c.q_unit, c.q_rstd)
-    d_k = l2norm_backward(tokens(d_k.sum(2, keepdim=True)), c.k_unit, c.k_rstd)
-    d_v = d_bv * c.beta
-    grads = (d_q, d_k, tokens(d_v), tokens(d_g), tokens(d_beta))
+    d_q = l2norm_backward(c.tokens(d_q.sum(2, keepdim=True)) * scale, c.q_unit, c.q_rstd)
+    d_k = l2norm_backward(c.tokens(d_k.sum(2, keepdim=True)), c.k_unit, c.k_rstd)
+    grads = (d_q, d_k, c.tokens(d_bv * c.beta), c.tokens(d_g), c.tokens(d_beta))
     return tuple(d.reshape(x.shape) for d, x in zip(grads, (q, k, v, g, beta)))
 
 
@@ -254,7 +253,7 @@ def _pair_grads(c: _Chunks, d_qk: Tensor, d_kk: Tensor) -> tuple[Tensor, Tensor,
     The G gradient follows from these: ``dD_ijc D_ijc`` flows to ``+G_i`` and ``-G_j``, and its sums over j and
     over i are ``q dq_row + k dk_row`` and ``k dk_col``; the sub-chunk references cancel out of it.
     """
-    # across sub-chunks: rows (q, k) exp(G_i - G_r) against columns k_j exp(G_r - G_j)
+    # across sub-chunks: rows (q, k) exp(G_i - G_r) against columns k_j exp(G_r - G_e) exp(G_e - G_j)
     d_rows = torch.cat([_blocks(d_qk), _blocks(d_kk)], -2)  # [NC, H, G, M, 2 SUB, C]
     d_q, d_k_row = (x.flatten(-3, -2) * c.row_decay for x in (d_rows @ c.k_col).split(SUB, -2))
     d_k_col_x = _blocks(d_rows.transpose(-1, -2) @ c.rows).mul_(c.link_decay.unsqueeze(-2))  # [.., M_b, M_a, SUB, K]
