@@ -8,13 +8,14 @@ in ``R`` rows whose edges are also document edges, with the boundaries passed al
 - ``seq_idx``: ``int32 [R, T]`` document index of every token,
 - ``position_ids``: ``int64 [R, T]`` position inside the document (restarting at each document).
 
-:class:`Boundaries` builds these on the host, from document lengths, from such a batch, or (for data loaders
-only) from restarting position ids. Nothing here runs inside a compiled model.
+:class:`Boundaries` builds these on the host, from document lengths or (for data loaders only) from restarting
+position ids; ``compilepack.validate(batch)`` checks a collated batch and returns its :class:`Boundaries`. Nothing
+here runs inside a compiled model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -81,20 +82,6 @@ class Boundaries(NamedTuple):
             seq_idx=seq_idx.view(rows, row_length),
             position_ids=positions.view(rows, row_length),
         )
-
-    @classmethod
-    def from_batch(cls, batch: Mapping) -> Boundaries:
-        """Boundaries carried by a collated batch (the HF collator's keys). Validates the batch first."""
-        from .validation import validate
-
-        boundaries = validate(batch)
-        if boundaries is None:
-            raise BoundaryError(
-                "the batch carries no boundaries (no 'cu_seq_lens_q'); collate it with "
-                "DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True) or "
-                "compilepack.PackedCollator."
-            )
-        return boundaries
 
     @classmethod
     def from_position_ids(cls, position_ids: torch.Tensor) -> Boundaries:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import types
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -40,22 +42,35 @@ class CompileReport:
         return f"{self.compiles} compile(s) over {self.batches} batches"
 
 
-def explain(model: torch.nn.Module, batch: Mapping, *, backward: bool = False) -> ExplainReport:
+def explain(model: torch.nn.Module, batch: Mapping, *, backward: bool = False, reset: bool = False) -> ExplainReport:
     """Graphs, breaks and break reasons of ``model(**batch)`` under dynamo (``torch._dynamo.explain``).
 
     With ``backward=True`` the traced function also runs ``loss.backward()`` (dynamo's
     ``trace_autograd_ops``), so a break anywhere in forward or backward shows up. Parameter gradients are left
     as they were.
+
+    Counted with a capturing backend (``torch._dynamo.explain`` would reset dynamo, discarding every compiled
+    function of the process). ``reset=True`` calls ``torch._dynamo.reset()`` before and after, for a count from a
+    clean slate; off by default, as it discards the process's other compiled functions too.
     """
-    torch._dynamo.reset()
+    _maybe_reset(reset)
+    graphs: list[torch.fx.GraphModule] = []
+
+    def capture(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    # torch._dynamo.explain would do this too, but it resets dynamo unconditionally; a counting backend does not
+    breaks_before = collections.Counter(torch._dynamo.utils.counters["graph_break"])
     with _autograd_traced(backward), _grads_preserved(model):
-        result = torch._dynamo.explain(_step(model, backward))(batch)
-    torch._dynamo.reset()
+        torch.compile(_step(model, backward), backend=capture)(batch)
+    breaks = collections.Counter(torch._dynamo.utils.counters["graph_break"]) - breaks_before
+    _maybe_reset(reset)
     return ExplainReport(
-        graphs=result.graph_count,
-        graph_breaks=result.graph_break_count,
-        break_reasons=[_reason(r) for r in result.break_reasons],
-        ops=result.op_count,
+        graphs=len(graphs),
+        graph_breaks=sum(breaks.values()),
+        break_reasons=[_first_line(reason) for reason in breaks],
+        ops=sum(1 for g in graphs for node in g.graph.nodes if node.op in ("call_function", "call_method")),
     )
 
 
@@ -67,14 +82,19 @@ def count_compiles(
     backward: bool = False,
     fullgraph: bool = False,
     backend: str = "eager",
+    reset: bool = False,
 ) -> CompileReport:
     """Compile ``model`` once and count dynamo compiles over ``batches`` (1 = no recompiles).
 
     Compiles with ``backend`` (default ``"eager"``: dynamo only, no codegen, so counting is fast; use
     ``"aot_eager"`` to trace the backward graphs too). Counts dynamo's compiled graphs: a restarted analysis
     (dynamo re-tracing one frame after specialising a float) is not a recompile and is not counted.
+
+    ``reset=True`` calls ``torch._dynamo.reset()`` before and after (see :func:`explain`); off by default, as it
+    discards the process's other compiled functions. Without it, code dynamo already compiled for this model's
+    forward in this process (with the same guards) may be reused and not counted.
     """
-    torch._dynamo.reset()
+    _maybe_reset(reset)
     compiled = torch.compile(_step(model, backward), backend=backend, dynamic=dynamic, fullgraph=fullgraph)
     count = 0
     graphs_before = _compiled_graphs()
@@ -83,8 +103,13 @@ def count_compiles(
             compiled(batch)
             count += 1
     compiles = _compiled_graphs() - graphs_before
-    torch._dynamo.reset()
+    _maybe_reset(reset)
     return CompileReport(batches=count, compiles=compiles)
+
+
+def _maybe_reset(reset: bool) -> None:
+    if reset:
+        torch._dynamo.reset()
 
 
 def _compiled_graphs() -> int:
@@ -101,7 +126,10 @@ def _step(model, backward: bool):
         loss.backward()
         return loss.detach()  # returning the live loss would make dynamo break ("consumed grad_fn")
 
-    return forward_backward if backward else forward
+    step = forward_backward if backward else forward
+    # a fresh code object per call: dynamo keeps compiled code per code object, so an earlier explain or count
+    # (with other guards or backends) can neither be reused nor use up the recompile limit of this one
+    return types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__, None, step.__closure__)
 
 
 @contextlib.contextmanager
@@ -121,9 +149,6 @@ def _grads_preserved(model: torch.nn.Module):
             parameter.grad = grad
 
 
-def _reason(break_reason) -> str:
-    text = str(getattr(break_reason, "reason", break_reason)).strip()
-    first = text.splitlines()[0] if text else ""
-    frames = getattr(break_reason, "user_stack", None) or []
-    where = f" (at {frames[-1].filename.split('/')[-1]}:{frames[-1].lineno})" if frames else ""
-    return first + where
+def _first_line(reason: str) -> str:
+    lines = str(reason).strip().splitlines()
+    return lines[0] if lines else ""

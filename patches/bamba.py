@@ -3,40 +3,9 @@
 Packed batches take the mixer's unfused path (see MAMBA2_SPLIT_CONV1D_SCAN): on CUDA its conv and scan run
 causal-conv1d's and mamba-ssm's kernels with document resets."""
 
-from transformers import BambaConfig
+from compilepack.patching import ATTENTION, MAMBA2_MIXER, Family, register
 
-from compilepack.patching import ATTENTION, Family, MAMBA2_MIXER, register
-
-register(
-    Family(
-        name="bamba",
-        modeling="transformers.models.bamba.modeling_bamba",
-        decoder="BambaModel",
-        layers={
-            "BambaAttention": (ATTENTION,),
-            "BambaMixer": MAMBA2_MIXER,
-        },
-        tiny_configs={
-            "hybrid": lambda: BambaConfig(
-                vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1],
-                mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4,
-                mamba_expand=2, mamba_chunk_size=64, max_position_embeddings=2048,
-            ),
-        },
-        bench_config=lambda: BambaConfig(
-            vocab_size=256, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
-            num_attention_heads=8, num_key_value_heads=2, attn_layer_indices=[1],
-            mamba_n_heads=8, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=64, mamba_d_conv=4,
-            mamba_expand=2, mamba_chunk_size=128, max_position_embeddings=4096,
-        ),
-        kernels=(
-            "conv: causal-conv1d causal_conv1d_fn(seq_idx); scan: mamba-ssm mamba_chunk_scan_combined(seq_idx); "
-            "attention: flash-attn / torch varlen"
-        ),
-        stock_packed=(
-            "position_ids only: silently wrong (Mamba2 layers scan one long sequence); with the collator's "
-            "boundary kwargs: ValueError (causal_conv1d_fn can't keep packed sequences apart)"
-        ),
-    )
-)
+register(Family(
+    "bamba", "transformers.models.bamba.modeling_bamba", decoder="BambaModel",
+    layers={"BambaAttention": (ATTENTION,), "BambaMixer": MAMBA2_MIXER},
+))

@@ -4,41 +4,9 @@ path) and an attention block side by side on the same input.
 The decoder hands both the same kwargs (the boundaries included).
 """
 
-from transformers import FalconH1Config
+from compilepack.patching import ATTENTION, MAMBA2_MIXER, Family, register
 
-from compilepack.patching import ATTENTION, Family, MAMBA2_MIXER, register
-
-register(
-    Family(
-        name="falcon_h1",
-        modeling="transformers.models.falcon_h1.modeling_falcon_h1",
-        decoder="FalconH1Model",
-        layers={
-            "FalconH1Attention": (ATTENTION,),
-            "FalconH1Mixer": MAMBA2_MIXER,
-        },
-        tiny_configs={
-            # every layer is hybrid (attention + Mamba2 in parallel); the gate multiplies after the scan
-            "hybrid": lambda: FalconH1Config(
-                vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=128, mamba_n_heads=4, mamba_d_head=32,
-                mamba_n_groups=2, mamba_d_state=16, mamba_d_conv=4, mamba_chunk_size=64,
-                max_position_embeddings=2048,
-            ),
-        },
-        bench_config=lambda: FalconH1Config(
-            vocab_size=256, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-            num_attention_heads=8, num_key_value_heads=2, mamba_d_ssm=512, mamba_n_heads=8, mamba_d_head=64,
-            mamba_n_groups=1, mamba_d_state=64, mamba_d_conv=4, mamba_chunk_size=128,
-            max_position_embeddings=4096,
-        ),
-        kernels=(
-            "conv: causal-conv1d causal_conv1d_fn(seq_idx); scan: mamba-ssm mamba_chunk_scan_combined(seq_idx); "
-            "attention: flash-attn / torch varlen"
-        ),
-        stock_packed=(
-            "position_ids only: silently wrong (the Mamba2 half of every layer scans one long sequence); with the "
-            "collator's boundary kwargs: ValueError (causal_conv1d_fn can't keep packed sequences apart)"
-        ),
-    )
-)
+register(Family(
+    "falcon_h1", "transformers.models.falcon_h1.modeling_falcon_h1", decoder="FalconH1Model",
+    layers={"FalconH1Attention": (ATTENTION,), "FalconH1Mixer": MAMBA2_MIXER},
+))

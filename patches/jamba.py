@@ -6,47 +6,10 @@ without them and the mixer calls ``mamba_selective_scan`` without them: both cal
 (``boundary_calls``). Jamba's mixer never takes a fused path.
 """
 
-from transformers import JambaConfig
+from compilepack.patching import ATTENTION, MAMBA1_MIXER, Family, register
 
-from compilepack.patches._mamba1 import SELECTIVE_SCAN
-from compilepack.patching import ATTENTION, CAUSAL_CONV1D, Family, register
-
-register(
-    Family(
-        name="jamba",
-        modeling="transformers.models.jamba.modeling_jamba",
-        decoder="JambaModel",
-        layers={
-            "JambaAttention": (ATTENTION,),
-            "JambaMambaMixer": (CAUSAL_CONV1D, SELECTIVE_SCAN),
-        },
-        boundary_calls={
-            "JambaMambaDecoderLayer": ("self.mamba",),
-            "JambaMambaMixer": ("mamba_selective_scan",),
-        },
-        tiny_configs={
-            # Mamba + MLP, Mamba + MoE, attention + MLP, Mamba + MoE
-            "hybrid_moe": lambda: JambaConfig(
-                vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                attn_layer_period=4, attn_layer_offset=2, expert_layer_period=2, expert_layer_offset=1,
-                num_experts=4, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
-                mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8, max_position_embeddings=2048,
-            ),
-        },
-        bench_config=lambda: JambaConfig(
-            vocab_size=256, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-            attn_layer_period=4, attn_layer_offset=2, expert_layer_period=2, expert_layer_offset=1,
-            num_experts=4, num_experts_per_tok=2, num_attention_heads=8, num_key_value_heads=2,
-            mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, max_position_embeddings=4096,
-        ),
-        kernels=(
-            "conv: causal-conv1d causal_conv1d_fn(seq_idx); selective scan: compilepack's reference on every "
-            "device (mamba-ssm's selective scan cannot reset inside a row); attention: flash-attn / torch varlen"
-        ),
-        stock_packed=(
-            "position_ids only: silently wrong in the Mamba layers (they scan one long sequence); with the "
-            "collator's boundary kwargs: silently wrong (they never reach the mixers; with the default "
-            "use_cache=True the attention leaks too)"
-        ),
-    )
-)
+register(Family(
+    "jamba", "transformers.models.jamba.modeling_jamba", decoder="JambaModel",
+    layers={"JambaAttention": (ATTENTION,), "JambaMambaMixer": MAMBA1_MIXER},
+    boundary_calls={"JambaMambaDecoderLayer": ("self.mamba",), "JambaMambaMixer": ("mamba_selective_scan",)},
+))

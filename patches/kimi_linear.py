@@ -7,88 +7,9 @@ choice (``fla``), as fla serves both. MLA attention's value head dim differs fro
 shared attention op pads to one head dim internally.
 """
 
-from __future__ import annotations
+from compilepack.patching import ATTENTION, KIMI_DELTA_MIXER, Family, register
 
-from transformers import KimiLinearConfig
-
-from compilepack.errors import BoundaryError
-from compilepack.patching import ATTENTION, CAUSAL_CONV1D, Family, Replacement, register
-
-
-def _make_kimi_delta_attention(stock, backends):
-    def chunk_kimi_delta_attention(
-        query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
-        use_qk_l2norm_in_kernel=False, **kwargs,
-    ):
-        cu_seqlens = kwargs.get("cu_seq_lens_q")
-        if cu_seqlens is None:
-            return stock(
-                query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
-                output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs,
-            )
-        if initial_state is not None or output_final_state:
-            raise BoundaryError(
-                "Kimi delta attention: a packed batch cannot start from or return a recurrent state (a cache); "
-                "packed forwards run with use_cache=False."
-            )
-        from compilepack.ops.kimi_delta_attention import kimi_delta_attention_varlen
-
-        out = kimi_delta_attention_varlen(
-            query, key, value, g, beta, cu_seqlens, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-            backend=backends.gated_delta,
-        )
-        return out, None
-
-    return chunk_kimi_delta_attention
-
-
-KIMI_DELTA_ATTENTION = Replacement(
-    "chunk_kimi_delta_attention",
-    _make_kimi_delta_attention,
-    ("query", "key", "value", "g", "beta", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel"),
-)
-
-
-register(
-    Family(
-        name="kimi_linear",
-        modeling="transformers.models.kimi_linear.modeling_kimi_linear",
-        decoder="KimiLinearModel",
-        layers={
-            "KimiLinearAttention": (ATTENTION,),
-            "KimiLinearDeltaAttention": (CAUSAL_CONV1D, KIMI_DELTA_ATTENTION),
-        },
-        tiny_configs={
-            "moe": lambda: KimiLinearConfig(
-                vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                num_attention_heads=4, num_key_value_heads=4,
-                kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-                linear_num_heads=4, linear_head_dim=16, linear_conv_kernel_dim=4,
-                num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
-                n_group=1, topk_group=1,
-                layer_types=["linear_attention", "full_attention", "linear_attention"],
-                mlp_layer_types=["dense", "sparse", "sparse"],
-                max_position_embeddings=2048, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-            ),
-        },
-        bench_config=lambda: KimiLinearConfig(
-            vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-            num_attention_heads=4, num_key_value_heads=4,
-            kv_lora_rank=128, q_lora_rank=None, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
-            linear_num_heads=4, linear_head_dim=64, linear_conv_kernel_dim=4,
-            num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, n_shared_experts=1,
-            n_group=1, topk_group=1,
-            layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-            mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
-            max_position_embeddings=4096, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-        ),
-        kernels=(
-            "conv: causal-conv1d; KDA: fla chunk_kda (chunk_kda_fwd/bwd); MLA attention (values padded to the "
-            "q/k head dim inside the op): flash-attn / torch varlen"
-        ),
-        stock_packed=(
-            "position_ids only: silently wrong (KDA layers see one long sequence); with the collator's boundary "
-            "kwargs: ValueError (causal_conv1d_fn can't keep packed sequences apart)"
-        ),
-    )
-)
+register(Family(
+    "kimi_linear", "transformers.models.kimi_linear.modeling_kimi_linear", decoder="KimiLinearModel",
+    layers={"KimiLinearAttention": (ATTENTION,), "KimiLinearDeltaAttention": KIMI_DELTA_MIXER},
+))

@@ -17,6 +17,7 @@ from compilepack import (
 )
 from compilepack.backends import Backends
 from compilepack.patching import ATTENTION, Family, family_named
+from tests.families import tiny_config
 from tests.models import hf_batch, logits_alone, max_diff_packed_vs_alone, random_docs
 
 LLAMA = family_named("llama")
@@ -24,7 +25,7 @@ LLAMA = family_named("llama")
 
 def _model(seed=0, config=None):
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config or LLAMA.tiny_config()).eval()
+    return AutoModelForCausalLM.from_config(config or tiny_config(LLAMA)).eval()
 
 
 def _instance_forwards(model):
@@ -40,7 +41,7 @@ def _packed_error(model, use_cache=True):
 
 
 def test_patch_changes_only_that_instance():
-    config = LLAMA.tiny_config()
+    config = tiny_config(LLAMA)
     first, second = _model(config=config), _model(config=config)
     assert first.config is second.config  # transformers shares the config object between instances
     compilepack.patch(first)
@@ -123,12 +124,40 @@ def test_forward_replaced_by_another_tool_is_refused():
     assert not compilepack.is_patched(model)
 
 
+def test_unpatch_refuses_a_forward_another_tool_wrapped_after_patch():
+    """accelerate's hooks wrap the instance forward compilepack set: unpatch would leave a wrapper that still calls
+    compilepack while patched() said False. It refuses, changing nothing, until the hook is removed."""
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+
+    model = compilepack.patch(_model())
+    attention = model.model.layers[0].self_attn
+    add_hook_to_module(attention, ModelHook())
+    with pytest.raises(PatchConflictError, match="wrapped by another tool after compilepack.patch"):
+        compilepack.unpatch(model)
+    assert compilepack.is_patched(model)
+    remove_hook_from_module(attention)
+    compilepack.unpatch(model)
+    assert not compilepack.is_patched(model) and "forward" not in attention.__dict__
+
+
+def test_unpatch_refuses_a_decorated_forward():
+    import functools
+
+    model = compilepack.patch(_model())
+    decoder = model.model
+    ours = decoder.forward
+    decoder.forward = functools.wraps(ours)(lambda *args, **kwargs: ours(*args, **kwargs))
+    with pytest.raises(PatchConflictError, match="LlamaModel"):
+        compilepack.unpatch(model)
+    assert compilepack.is_patched(model)
+
+
 def test_incompatible_transformers_is_named():
-    missing_class = Family("x", LLAMA.modeling, "LlamaModel", {"LlamaGone": (ATTENTION,)}, LLAMA.tiny_configs)
+    missing_class = Family("x", LLAMA.modeling, "LlamaModel", {"LlamaGone": (ATTENTION,)})
     with pytest.raises(IncompatibleTransformersError, match=r"LlamaGone does not exist.*transformers>=5.24,<5.25"):
         missing_class.forwards(Backends())
-    not_calling = Family("x", LLAMA.modeling, "LlamaModel", {"LlamaMLP": (ATTENTION,)}, LLAMA.tiny_configs)
-    with pytest.raises(IncompatibleTransformersError, match="LlamaMLP.forward no longer calls ALL_ATTENTION_FUNCTIONS"):
+    not_calling = Family("x", LLAMA.modeling, "LlamaModel", {"LlamaMLP": (ATTENTION,)})
+    with pytest.raises(IncompatibleTransformersError, match="LlamaMLP.forward no longer loads the global ALL_ATTENTION_FUNCTIONS"):
         not_calling.forwards(Backends())
 
 
@@ -171,12 +200,13 @@ def test_boundaries_on_the_host_are_moved_once_and_positions_derived():
 
 
 def test_packed_rows_without_boundaries_fail_loudly_in_the_model():
-    """A position_ids-only packed batch would run as one sequence: the patched model refuses it (an async device
-    assert, no host sync), eager and compiled; unpacked rows with ordinary position_ids still run."""
+    """A position_ids-only packed batch would run as one sequence: the patched model refuses it, eager on the CPU
+    with compilepack's own BoundaryError (a host check), compiled with an async device assert (no host sync);
+    unpacked rows with ordinary position_ids still run."""
     model = compilepack.patch(_model())
     batch = hf_batch([[1, 2, 3], [4, 5]])
     positions_only = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
-    with pytest.raises(RuntimeError, match="position_ids restart inside a row"):
+    with pytest.raises(BoundaryError, match="position_ids restart inside a row"):
         model(**positions_only)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)
     with pytest.raises(RuntimeError, match="position_ids restart inside a row"):

@@ -66,10 +66,25 @@ def patch(model: torch.nn.Module, *, backend: str | dict | _backends.Backends = 
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
-    """Undo :func:`patch`: every rebound ``forward`` is removed, so the class's stock forward applies again."""
-    state = model.__dict__.pop(_STATE, None)
+    """Undo :func:`patch`: every rebound ``forward`` is removed, so the class's stock forward applies again.
+
+    Raises:
+        PatchConflictError: another tool wrapped a patched module's forward after :func:`patch` (accelerate hooks,
+            a decorator): removing compilepack's forward from under that wrapper is impossible, and leaving the
+            wrapper would keep calling compilepack. Nothing is changed; remove the other tool's wrapper first.
+    """
+    state = model.__dict__.get(_STATE)
     if state is None:
         return model
+    wrapped = [m for m in state.modules if _wraps_ours(m.__dict__.get("forward"))]
+    if wrapped:
+        raise PatchConflictError(
+            f"cannot unpatch: the forward of {type(wrapped[0]).__name__} (and {len(wrapped) - 1} other module(s)) was "
+            "wrapped by another tool after compilepack.patch (accelerate hooks, a decorator), and the wrapper would "
+            "keep calling compilepack's forward. Remove that wrapper first (accelerate: "
+            "accelerate.hooks.remove_hook_from_module(module, recurse=True)), then unpatch."
+        )
+    del model.__dict__[_STATE]
     for module in state.modules:
         if _is_ours(module.__dict__.get("forward")):
             del module.__dict__["forward"]
@@ -103,11 +118,33 @@ def _forward_for(cls: type, forwards: dict):
 
 
 def _is_ours(forward) -> bool:
+    """Whether an instance forward is the bound method compilepack set (its function, or one it decorates)."""
     function = getattr(forward, "__func__", None)
     while function is not None:
         if getattr(function, "__compilepack__", False):
             return True
         function = getattr(function, "__wrapped__", None)
+    return False
+
+
+def _wraps_ours(forward) -> bool:
+    """Whether an instance forward is another tool's wrapper around compilepack's: accelerate keeps the wrapped
+    forward in ``_old_forward`` on the module, ``functools.wraps`` in ``__wrapped__``, partials in ``func``/``args``."""
+    if forward is None or _is_ours(forward):
+        return False
+    seen, pending = set(), [forward]
+    while pending:
+        candidate = pending.pop()
+        if candidate is None or id(candidate) in seen:
+            continue
+        seen.add(id(candidate))
+        if _is_ours(candidate):
+            return True
+        pending += [getattr(candidate, "__wrapped__", None), getattr(candidate, "func", None)]
+        pending += [a for a in getattr(candidate, "args", ()) if callable(a) and not isinstance(a, torch.nn.Module)]
+        owner = getattr(candidate, "__self__", None)
+        if isinstance(owner, torch.nn.Module):
+            pending.append(owner.__dict__.get("_old_forward"))
     return False
 
 

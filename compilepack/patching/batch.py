@@ -2,7 +2,8 @@
 
 The layers below receive the same keys the HF collator emits (``cu_seq_lens_q``, ``max_length_q``,
 ``seq_idx``...), already on the model's device, so no layer moves or derives anything itself. This code is
-traced by dynamo: it branches only on which keys are present (static), never on tensor values.
+traced by dynamo: inside a graph it branches only on static facts (which keys are present, devices), never on
+tensor values.
 """
 
 from __future__ import annotations
@@ -21,38 +22,11 @@ def packed_decoder_forward(stock_forward: Callable, parameter_names: tuple[str, 
 
     def forward(self, *args, **kwargs):
         kwargs.update(zip(parameter_names, args))  # transformers passes keywords; positional ones are named here
-        bridged = self.__dict__.get(_BRIDGE)
-        if bridged is not None:
-            kwargs = {**bridged, **kwargs}
         if any(kwargs.get(key) is not None for key in BOUNDARY_KEYS):
             kwargs = prepare_packed_kwargs(kwargs)
         elif kwargs.get("attention_mask") is None and not _has_cache(kwargs):
-            _assert_one_sequence_per_row(kwargs.get("position_ids"))
+            _refuse_unmarked_packing(kwargs.get("position_ids"))
         return stock_forward(self, **kwargs)
-
-    forward.__compilepack__ = True
-    return forward
-
-
-_BRIDGE = "_compilepack_bridged_kwargs"
-
-
-def bridging_forward(stock_forward: Callable, parameter_names: tuple[str, ...], child: str) -> Callable:
-    """A ``forward`` for a wrapper whose stock code calls its decoder without ``**kwargs`` (``Mamba2ForCausalLM``
-    calls ``self.backbone(...)`` with a fixed argument list): the boundary kwargs are handed to the decoder
-    through an attribute of the decoder module for the duration of the call, and removed afterwards."""
-
-    def forward(self, *args, **kwargs):
-        kwargs.update(zip(parameter_names, args))
-        carried = {key: kwargs[key] for key in BOUNDARY_KEYS if kwargs.get(key) is not None}
-        if not carried:
-            return stock_forward(self, **kwargs)
-        decoder = getattr(self, child)
-        decoder.__dict__[_BRIDGE] = carried
-        try:
-            return stock_forward(self, **kwargs)
-        finally:
-            del decoder.__dict__[_BRIDGE]
 
     forward.__compilepack__ = True
     return forward
@@ -69,7 +43,8 @@ def prepare_packed_kwargs(kwargs: dict) -> dict:
     if tokens is None:
         tokens = kwargs["inputs_embeds"]
     rows, row_length = tokens.shape[0], tokens.shape[1]
-    cu_seqlens = kwargs["cu_seq_lens_q"].to(device=tokens.device, dtype=torch.int32, non_blocking=True)
+    given = kwargs["cu_seq_lens_q"]
+    cu_seqlens = given.to(device=tokens.device, dtype=torch.int32, non_blocking=True)
     seq_idx_flat = seq_idx_from_cu_seqlens(cu_seqlens, rows * row_length)
     max_seqlen = kwargs.get("max_length_q")
     if max_seqlen is None:
@@ -80,6 +55,9 @@ def prepare_packed_kwargs(kwargs: dict) -> dict:
         max_length_q=max_seqlen,
         max_length_k=max_seqlen,
         seq_idx=seq_idx_flat.view(rows, row_length),
+        # the host copy, when the batch brought one (kernels that need host-side sizes read it instead of
+        # copying cu_seqlens back from the device); None when a trainer already moved the batch to the device
+        cu_seq_lens_q_cpu=given.to(torch.int32) if given.device.type == "cpu" else None,
         # a packed row has no meaningful cache: several documents would write one state
         use_cache=False,
     )
@@ -96,15 +74,21 @@ UNMARKED_PACKING = (
 )
 
 
-def _assert_one_sequence_per_row(position_ids) -> None:
-    """Refuse packed rows that carry no boundaries, without a host sync: an asynchronous device assert.
+def _refuse_unmarked_packing(position_ids) -> None:
+    """Refuse packed rows that carry no boundaries: a batch without boundary kwargs runs every row as one
+    sequence, so position_ids that restart inside a row mean the boundaries were dropped.
 
-    A batch without boundary kwargs runs every row as one sequence; if its position_ids restart inside a
-    row it is a packed batch whose boundaries were dropped. Multimodal (3-D) position ids may legitimately
-    jump and are not checked."""
+    Eager on the CPU the check runs on the host and raises :class:`compilepack.BoundaryError`. Inside a compiled
+    graph, or on an accelerator, reading the positions would be a host sync: there it is an asynchronous device
+    assert (``torch._assert_async``), which fails the step with a ``RuntimeError`` carrying the same message (on
+    CUDA at the next synchronisation). Multimodal (3-D) position ids may legitimately jump and are not checked."""
     if position_ids is None or position_ids.dim() != 2:
         return
     restarts = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    if position_ids.device.type == "cpu" and not torch.compiler.is_compiling():
+        if restarts.any():
+            raise BoundaryError(UNMARKED_PACKING)
+        return
     torch._assert_async(~restarts.any(), UNMARKED_PACKING)
 
 

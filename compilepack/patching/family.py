@@ -1,36 +1,37 @@
 """Model families: what a patch module in ``compilepack.patches`` declares, and the registry that finds them.
 
-A family file says, for one transformers modeling module, which class is the decoder (it receives the batch
-and builds masks) and which layer classes call which kernel globals. That is the whole patch: compilepack
-rebinds those globals inside those forwards (see ``rebind.py``). Adding a family is adding one file to
-``patches/`` that calls :func:`register`; no shared code changes.
+A family file says, for one transformers modeling module, which class is the decoder (it receives the batch and
+builds masks) and which layer classes call which kernel globals. That is the whole patch: compilepack rebinds
+those globals inside those forwards (see ``rebind.py``). Adding a family is adding one file to ``patches/`` that
+calls :func:`register`; no shared code changes.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import importlib
 import inspect
 import pkgutil
 import types
 from collections.abc import Callable, Mapping
 
-import torch
 import transformers
 
 from ..backends import Backends
 from ..errors import IncompatibleTransformersError, UnsupportedModelError
 from . import replacements as R
-from .batch import bridging_forward, packed_decoder_forward
-from .rebind import innermost, rebound_module, with_globals
+from .batch import packed_decoder_forward
+from .rebind import global_loads, innermost, install, with_globals
 
 TESTED_TRANSFORMERS = ">=5.24,<5.25"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # identity hash: families are registry singletons
 class Family:
-    """One patchable model family.
+    """One patchable model family: what runs, nothing else (test configs, bench configs and docs texts live with
+    the tests, the benchmark and the docs generator).
 
     Attributes:
         name: the registry key, the transformers ``model_type`` (``"llama"``).
@@ -38,57 +39,37 @@ class Family:
         decoder: class whose forward receives the batch and builds masks (``"LlamaModel"``).
         layers: layer class name -> the :class:`~compilepack.patching.replacements.Replacement` s its forward
             needs (``{"LlamaAttention": (ATTENTION,)}``).
-        tiny_configs: named factories of tiny configs with every layer type, for tests, ``explain`` and the
-            benchmark; the first is the default.
         model_types: every ``config.model_type`` this family serves (defaults to ``(name,)``).
-        entries: classes above the decoder that receive the batch first (multimodal wrappers); their forward
-            only prepares the packed kwargs, so e.g. position_ids restart per document before the wrapper
-            would compute its own.
-        kwargs_bridges: wrapper class name -> attribute of the decoder it calls without ``**kwargs``
-            (``{"Mamba2ForCausalLM": "backbone"}``): the boundary kwargs are carried across that call.
-        boundary_calls: class name -> calls in its forward, as written (``"self.mixer"``,
+        entries: classes above the decoder that receive the batch first (multimodal wrappers); their forward only
+            prepares the packed kwargs, so e.g. position_ids restart per document before the wrapper would compute
+            its own.
+        boundary_calls: class name -> calls in its forward, as written (``"self.backbone"``, ``"self.mixer"``,
             ``"mamba_selective_scan"``), that must also receive the batch's boundary kwargs (taken from the
-            forward's own ``**kwargs``): for stacks that drop ``**kwargs`` between layers, or on the way from a
-            mixer to its kernel (the Mamba1 models). The classes need no other entry. Never name a call that
-            already passes ``**kwargs``.
-        tiny_builders: variant -> transformers class name used to build it (default ``AutoModelForCausalLM``).
-        bench_config: the config ``python -m compilepack bench`` trains (hidden 256 and one layer of each mixer
-            kind fit the default run's 10-minute budget); defaults to the first tiny config.
-        kernels: what each CUDA backend runs for this family, for the docs table.
-        stock_packed: what stock transformers does with a packed batch of this family (measured), for the docs.
+            forward's own ``**kwargs``): for stacks that drop ``**kwargs`` between the model and a mixer or on the
+            way from a mixer to its kernel. Never name a call that already passes ``**kwargs``.
     """
 
     name: str
     modeling: str
     decoder: str
     layers: Mapping[str, tuple[R.Replacement, ...]]
-    tiny_configs: Mapping[str, Callable[[], transformers.PretrainedConfig]]
     model_types: tuple[str, ...] = ()
     entries: tuple[str, ...] = ()
-    kwargs_bridges: Mapping[str, str] = dataclasses.field(default_factory=dict)
     boundary_calls: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
-    tiny_builders: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    bench_config: Callable[[], transformers.PretrainedConfig] | None = None
-    kernels: str = ""
-    stock_packed: str = ""
 
     @property
     def served_model_types(self) -> tuple[str, ...]:
         return self.model_types or (self.name,)
 
-    def tiny_config(self, variant: str | None = None) -> transformers.PretrainedConfig:
-        return self.tiny_configs[variant or next(iter(self.tiny_configs))]()
-
-    def build_tiny(self, variant: str | None = None) -> torch.nn.Module:
-        """A randomly initialised tiny model of this family (no download)."""
-        variant = variant or next(iter(self.tiny_configs))
-        builder = getattr(transformers, self.tiny_builders.get(variant, "AutoModelForCausalLM"))
-        config = self.tiny_configs[variant]()
-        return builder.from_config(config) if hasattr(builder, "from_config") else builder(config)
-
     def forwards(self, backends: Backends) -> dict[type, Callable]:
         """class -> the patched forward for it, checking the installed transformers first."""
-        return _patched_forwards(self, backends)
+        stock = _import_modeling(self)
+        classes = {name: _class(self, stock, name) for name in self._class_names()}
+        return _patched_forwards(self, backends, tuple((name, cls, cls.forward) for name, cls in classes.items()))
+
+    def _class_names(self) -> tuple[str, ...]:
+        names = [self.decoder, *self.layers, *self.boundary_calls, *self.entries]
+        return tuple(dict.fromkeys(names))
 
 
 _REGISTRY: dict[str, Family] = {}
@@ -147,35 +128,41 @@ def family_of(model) -> Family:
 
 
 @functools.cache
-def _patched_forwards(family: Family, backends: Backends) -> dict[type, Callable]:
+def _patched_forwards(family: Family, backends: Backends, classes: tuple) -> dict[type, Callable]:
+    """Cached per family, backends and the classes' current forwards (a class-level patch made later by another
+    tool gives a fresh copy of the new forward)."""
     stock = _import_modeling(family)
-    decoder_cls = _class(stock, family.decoder)
+    by_name = {name: cls for name, cls, _ in classes}
+    decoder_cls = by_name[family.decoder]
     # Models without attention (Mamba, Mamba2) build no causal mask: their decoder only prepares the batch.
-    plan = {decoder_cls: tuple(r for r in R.MASK_CREATORS if r.global_name in _global_names(decoder_cls))}
+    plan = {decoder_cls: tuple(r for r in R.MASK_CREATORS if r.global_name in _global_loads(decoder_cls))}
     for class_name, needed in family.layers.items():
-        cls = _class(stock, class_name)
-        missing = [r.global_name for r in needed if r.global_name not in _global_names(cls)]
-        if missing:
-            raise _incompatible(family, f"{class_name}.forward no longer calls {', '.join(missing)}")
-        plan[cls] = tuple(needed)
+        cls = by_name[class_name]
+        loaded = _global_loads(cls)
+        for replacement in needed:
+            if replacement.global_name not in loaded:
+                raise _incompatible(family, f"{class_name}.forward no longer loads the global {replacement.global_name}")
+        plan[cls] = plan.get(cls, ()) + tuple(needed)
     for class_name in family.boundary_calls:
-        plan.setdefault(_class(stock, class_name), ())
+        plan.setdefault(by_name[class_name], ())
     everything = {r.global_name: r for needed in plan.values() for r in needed}
-    rebound = rebound_module(
-        stock, {name: _build(family, stock, r, backends) for name, r in everything.items()}, key=(backends,)
-    )
-    forwards = {cls: with_globals(cls.forward, rebound, tuple(family.boundary_calls.get(cls.__name__, ())))
-                for cls in plan}
+    renames = install(stock, _key(backends), {name: _build(family, stock, r, backends) for name, r in everything.items()})
+    forwards = {}
+    for cls, needed in plan.items():
+        own = {r.global_name: renames[r.global_name] for r in needed}
+        forwards[cls] = with_globals(cls.forward, own, tuple(family.boundary_calls.get(cls.__name__, ())))
     for forward in forwards.values():
         innermost(forward).__compilepack__ = True
     forwards[decoder_cls] = packed_decoder_forward(forwards[decoder_cls], _parameter_names(decoder_cls.forward))
     for class_name in family.entries:
-        cls = _class(stock, class_name)
+        cls = by_name[class_name]
         forwards[cls] = packed_decoder_forward(cls.forward, _parameter_names(cls.forward))
-    for class_name, child in family.kwargs_bridges.items():
-        cls = _class(stock, class_name)
-        forwards[cls] = bridging_forward(cls.forward, _parameter_names(cls.forward), child)
     return forwards
+
+
+def _key(backends: Backends) -> str:
+    """A short identifier of a backend choice, for the private global names (``__compilepack_<key>_<name>``)."""
+    return "b" + hashlib.sha1(backends.describe().encode()).hexdigest()[:8]
 
 
 def _build(family: Family, stock: types.ModuleType, replacement: R.Replacement, backends: Backends):
@@ -197,18 +184,15 @@ def _import_modeling(family: Family) -> types.ModuleType:
         raise _incompatible(family, f"cannot import {family.modeling} ({error})") from error
 
 
-def _class(module: types.ModuleType, name: str) -> type:
+def _class(family: Family, module: types.ModuleType, name: str) -> type:
     cls = getattr(module, name, None)
     if not isinstance(cls, type):
-        raise IncompatibleTransformersError(
-            f"{module.__name__}.{name} does not exist in transformers {transformers.__version__}; compilepack's "
-            f"patches are tested with transformers{TESTED_TRANSFORMERS}."
-        )
+        raise _incompatible(family, f"{module.__name__}.{name} does not exist")
     return cls
 
 
-def _global_names(cls: type) -> set[str]:
-    return set(innermost(cls.forward).__code__.co_names)
+def _global_loads(cls: type) -> set[str]:
+    return global_loads(innermost(cls.forward).__code__)
 
 
 def _parameter_names(forward: Callable) -> tuple[str, ...]:

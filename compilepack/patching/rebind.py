@@ -1,53 +1,56 @@
 """Run a stock transformers forward with some of its module globals swapped: the patching mechanism.
 
 A transformers layer calls its kernels through module-level names (``causal_conv1d_fn(...)``,
-``ALL_ATTENTION_FUNCTIONS.get_interface(...)``, ``create_causal_mask(...)``). compilepack copies the layer's
-``forward`` function with a globals dict in which exactly those names point at compilepack's boundary-aware
-versions, and binds the copy to one module instance. The stock code runs unchanged, line for line; only the
-names it looks up differ. Nothing global is modified: other instances of the same class stay stock.
+``ALL_ATTENTION_FUNCTIONS.get_interface(...)``, ``create_causal_mask(...)``). compilepack installs its versions
+under private names in the same module namespace (``__compilepack_<key>_causal_conv1d_fn``) and copies the layer's
+``forward`` with a code object whose global loads of the stock names read the private names instead: the same
+bytecode, only entries of ``co_names`` renamed. The copy keeps the stock module's own globals dict, so it sees
+every other global as it is *now*: a patcher that rebinds a module global later or earlier (Liger-Kernel's
+``apply_rotary_pos_emb``, a norm class, the kernels hub) composes with compilepack in either order. Nothing that
+stock code reads is modified; other instances of the class stay stock.
 
-The copies' globals live in a real module object registered in ``sys.modules`` so that ``torch._dynamo`` can
-guard on them by name, as it does for any module global.
+Only ``LOAD_GLOBAL`` instructions are renamed (read with :mod:`dis`), so a forward that reaches a kernel another
+way (``self.causal_conv1d_fn(...)``, an import inside the function) is reported as incompatible instead of
+being silently left stock.
+
+Some stacks drop ``**kwargs`` on the way from the decoder to a mixer or its kernel (the Mamba1 models,
+``Mamba2ForCausalLM``). For those, named calls are *threaded*: the function's source is parsed, checked to compile
+to exactly the loaded code, and recompiled with ``**__compilepack_boundaries__(kwargs)`` appended to each named
+call, so the call also receives the batch's boundary kwargs from the function's own ``**kwargs``. The boundaries
+travel as arguments (no state is written during a forward), so a gradient-checkpointing recompute sees them too.
 """
 
 from __future__ import annotations
 
 import ast
-import hashlib
+import dis
 import inspect
-import sys
-import textwrap
 import types
 from collections.abc import Callable, Mapping
 
 from ..boundaries import BOUNDARY_KEYS
 from ..errors import IncompatibleTransformersError
 
-BOUNDARIES_HELPER = "__compilepack_boundaries__"  # the rebound-module global that threaded calls read
-
-_REBOUND_PREFIX = "compilepack._rebound"
-_rebound_modules: dict[tuple, types.ModuleType] = {}
+BOUNDARIES_HELPER = "__compilepack_boundaries__"  # the module global that threaded calls read
 
 
-def rebound_module(stock: types.ModuleType, replacements: Mapping[str, object], key: tuple) -> types.ModuleType:
-    """A copy of module ``stock`` with ``replacements`` applied, one per (module, key), registered in sys.modules.
+def private_name(key: str, name: str) -> str:
+    """The name a replacement of global ``name`` is installed under (``key`` tells replacement sets apart)."""
+    return f"__compilepack_{key}_{name}"
 
-    ``key`` identifies the replacement set (e.g. the chosen backends): the same key gives the same module,
-    so every patched instance shares one set of function copies and one compiled graph.
+
+def install(module: types.ModuleType, key: str, replacements: Mapping[str, object]) -> dict[str, str]:
+    """Put ``replacements`` (stock global name -> compilepack's object) into ``module`` under private names.
+
+    Returns the renames (stock name -> private name) for :func:`with_globals`. Only new names are added: what
+    stock code reads is untouched.
     """
-    cache_key = (stock.__name__, key)
-    module = _rebound_modules.get(cache_key)
-    if module is None:
-        digest = hashlib.sha1(repr(cache_key).encode()).hexdigest()[:10]
-        name = f"{_REBOUND_PREFIX}.{stock.__name__.replace('.', '_')}_{digest}"
-        module = types.ModuleType(name, stock.__doc__)
-        module.__dict__.update({k: v for k, v in stock.__dict__.items() if k not in ("__name__", "__spec__")})
-        module.__dict__.update(replacements)
-        module.__dict__[BOUNDARIES_HELPER] = boundary_kwargs
-        module.__dict__["__compilepack_stock__"] = stock
-        sys.modules[name] = module
-        _rebound_modules[cache_key] = module
-    return module
+    renames = {}
+    for name, replacement in replacements.items():
+        renames[name] = private_name(key, name)
+        module.__dict__[renames[name]] = replacement
+    module.__dict__[BOUNDARIES_HELPER] = boundary_kwargs
+    return renames
 
 
 def boundary_kwargs(kwargs: dict) -> dict:
@@ -56,24 +59,29 @@ def boundary_kwargs(kwargs: dict) -> dict:
     return {key: kwargs[key] for key in BOUNDARY_KEYS if kwargs.get(key) is not None}
 
 
-def with_globals(function: Callable, module: types.ModuleType, boundary_calls: tuple[str, ...] = ()) -> Callable:
-    """Copy of ``function`` whose innermost code reads globals from ``module``; decorators are kept.
+def global_loads(code: types.CodeType) -> set[str]:
+    """Names ``code`` (and the code nested in it: comprehensions, lambdas) loads as globals."""
+    names = {i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= global_loads(const)
+    return names
+
+
+def with_globals(function: Callable, renames: Mapping[str, str], boundary_calls: tuple[str, ...] = ()) -> Callable:
+    """Copy of ``function`` whose innermost code loads the globals in ``renames`` under their new names.
 
     transformers wraps forwards in decorators (``deprecate_kwarg``, ``merge_with_config_defaults``,
-    ``capture_outputs``...) built with ``functools.wraps``. Each wrapper holds the function it wraps in a
-    closure cell; the copy rebuilds the chain with new cells so the decorators still run, around the
-    rebound innermost function.
-
-    ``boundary_calls`` names calls in the innermost function, as written (``"self.mixer"``,
-    ``"mamba_selective_scan"``), that must also receive the batch's boundary kwargs, for models whose forwards
-    drop ``**kwargs`` on the way to a mixer or its kernel: see :func:`_copy_with_boundary_calls`.
+    ``capture_outputs``...) built with ``functools.wraps``. Each wrapper holds the function it wraps in a closure
+    cell; the copy rebuilds the chain with new cells so the decorators still run, around the rebound innermost
+    function. ``boundary_calls`` names calls in the innermost function, as written (``"self.mixer"``,
+    ``"mamba_selective_scan"``), that must also receive the batch's boundary kwargs (see the module docstring).
     """
     inner = getattr(function, "__wrapped__", None)
     if inner is None:
-        if boundary_calls:
-            return _copy_with_boundary_calls(function, module, boundary_calls)
-        return _copy_function(function, function.__closure__, module.__dict__)
-    new_inner = with_globals(inner, module, boundary_calls)
+        code = _threaded_code(function, boundary_calls) if boundary_calls else function.__code__
+        return _copy_function(function, _renamed(code, renames, function), function.__closure__)
+    new_inner = with_globals(inner, renames, boundary_calls)
     cells = function.__closure__ or ()
     if not any(_holds(cell, inner) for cell in cells):
         raise IncompatibleTransformersError(
@@ -81,7 +89,7 @@ def with_globals(function: Callable, module: types.ModuleType, boundary_calls: t
             "closure cell. This transformers version wraps forwards differently than compilepack expects."
         )
     new_cells = tuple(types.CellType(new_inner) if _holds(cell, inner) else cell for cell in cells)
-    wrapper = _copy_function(function, new_cells, function.__globals__)
+    wrapper = _copy_function(function, function.__code__, new_cells)
     wrapper.__wrapped__ = new_inner
     return wrapper
 
@@ -100,8 +108,8 @@ def _holds(cell: types.CellType, value: object) -> bool:
         return False
 
 
-def _copy_function(function: Callable, closure, globals_dict: dict) -> Callable:
-    copy = types.FunctionType(function.__code__, globals_dict, function.__name__, function.__defaults__, closure)
+def _copy_function(function: Callable, code: types.CodeType, closure) -> Callable:
+    copy = types.FunctionType(code, function.__globals__, function.__name__, function.__defaults__, closure)
     copy.__kwdefaults__ = function.__kwdefaults__
     copy.__qualname__ = function.__qualname__
     copy.__doc__ = function.__doc__
@@ -110,35 +118,110 @@ def _copy_function(function: Callable, closure, globals_dict: dict) -> Callable:
     return copy
 
 
-def _copy_with_boundary_calls(function: Callable, module: types.ModuleType, calls: tuple[str, ...]) -> Callable:
-    """Copy of ``function`` (undecorated, without closure) recompiled from its source with
-    ``**__compilepack_boundaries__(kwargs)`` appended to each call named in ``calls`` (``kwargs`` being the
-    function's own ``**`` parameter): the stock code line for line, plus the boundary kwargs where the model
-    would drop them. Globals come from ``module``; file name and line numbers stay the stock ones."""
+def _renamed(code: types.CodeType, renames: Mapping[str, str], function: Callable) -> types.CodeType:
+    """``code`` with its global loads of ``renames``' keys reading the new names; nested code included."""
+    other_uses = {i.argval for i in dis.get_instructions(code) if i.opcode in dis.hasname and i.opname != "LOAD_GLOBAL"}
+    clash = sorted(other_uses & renames.keys() & global_loads(code))
+    if clash:
+        raise IncompatibleTransformersError(
+            f"{function.__module__}.{function.__qualname__} uses {', '.join(clash)} both as a global and as an "
+            "attribute or import name; compilepack can only rebind plain global loads."
+        )
+    names = tuple(renames.get(n, n) if n not in other_uses else n for n in code.co_names)
+    consts = tuple(_renamed(c, renames, function) if isinstance(c, types.CodeType) else c for c in code.co_consts)
+    return code.replace(co_names=names, co_consts=consts)
+
+
+# ------------------------------------------------------------------------------------------------ threading
+
+
+def _threaded_code(function: Callable, calls: tuple[str, ...]) -> types.CodeType:
+    """The code of ``function`` (undecorated, without closure) recompiled with ``**__compilepack_boundaries__(kwargs)``
+    appended to each call named in ``calls`` (``kwargs`` being the function's own ``**`` parameter).
+
+    The whole module source is parsed and compiled (a function compiled alone can differ: the compiler treats
+    attributes of imported modules differently), after checking that the unmodified source compiles to exactly the
+    loaded code; so the result is the stock code line for line plus the threaded kwargs, with the stock file name
+    and line numbers.
+    """
     code = function.__code__
     where = f"{function.__module__}.{function.__qualname__}"
     if code.co_freevars or not code.co_flags & inspect.CO_VARKEYWORDS:
         raise IncompatibleTransformersError(
             f"cannot pass the boundaries through {where}: it has a closure or no **kwargs parameter."
         )
+    tree, filename = _module_source(function, where)
+    if not _same_code(_compiled(tree, filename, code), code):
+        raise IncompatibleTransformersError(
+            f"cannot pass the boundaries through {where}: its source file does not match the loaded code (edited "
+            "after import, or a different build); reinstall transformers."
+        )
+    definition = _definition(tree, code)
     positional = code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & inspect.CO_VARARGS)
-    lines, first_line = inspect.getsourcelines(function)
-    tree = ast.parse(textwrap.dedent("".join(lines)))
-    definition = tree.body[0]
-    definition.decorator_list = []  # the decorators stay on the stock chain, which with_globals rebuilds
     threading = _BoundaryCalls(set(calls), code.co_varnames[positional])
     threading.visit(definition)
     missing = set(calls) - threading.found
     if missing:
         raise IncompatibleTransformersError(f"{where} no longer calls {', '.join(sorted(missing))}.")
-    ast.increment_lineno(ast.fix_missing_locations(tree), first_line - 1)  # the added nodes sit on their call's line
-    namespace: dict = {}
-    exec(compile(tree, code.co_filename, "exec"), module.__dict__, namespace)
-    copy = namespace[definition.name]
-    copy.__defaults__, copy.__kwdefaults__ = function.__defaults__, function.__kwdefaults__
-    copy.__qualname__, copy.__doc__, copy.__module__ = function.__qualname__, function.__doc__, function.__module__
-    copy.__dict__.update(function.__dict__)
-    return copy
+    ast.fix_missing_locations(tree)
+    return _compiled(tree, filename, code)
+
+
+def _module_source(function: Callable, where: str) -> tuple[ast.Module, str]:
+    try:
+        filename = inspect.getsourcefile(function)
+        source = inspect.getsource(inspect.getmodule(function))
+    except (OSError, TypeError) as error:
+        raise IncompatibleTransformersError(
+            f"cannot pass the boundaries through {where}: its source is not available ({error}); compilepack needs "
+            "transformers installed with its .py files."
+        ) from error
+    return ast.parse(source, filename), filename
+
+
+def _definition(tree: ast.Module, code: types.CodeType) -> ast.FunctionDef:
+    """The ``def`` node whose code object is ``code`` (by name and first line, decorators included)."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == code.co_name:
+            if min([node.lineno, *(d.lineno for d in node.decorator_list)]) == code.co_firstlineno:
+                return node
+    raise IncompatibleTransformersError(f"cannot find the source of {code.co_name} (line {code.co_firstlineno}).")
+
+
+def _compiled(tree: ast.Module, filename: str, like: types.CodeType) -> types.CodeType:
+    """The code object compiled from module ``tree`` that stands where ``like`` does (same name and first line)."""
+    found = _find_code(compile(tree, filename, "exec", dont_inherit=True), like.co_name, like.co_firstlineno)
+    if found is None:
+        raise IncompatibleTransformersError(f"cannot find the code of {like.co_name} (line {like.co_firstlineno}).")
+    return found
+
+
+def _find_code(code: types.CodeType, name: str, first_line: int) -> types.CodeType | None:
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            if const.co_name == name and const.co_firstlineno == first_line:
+                return const
+            found = _find_code(const, name, first_line)
+            if found is not None:
+                return found
+    return None
+
+
+def _same_code(a: types.CodeType, b: types.CodeType) -> bool:
+    """Same bytecode, names, variables and constants (nested code compared alike); line numbers not compared."""
+    if (a.co_code, a.co_names, a.co_varnames, a.co_argcount, a.co_kwonlyargcount) != (
+        b.co_code, b.co_names, b.co_varnames, b.co_argcount, b.co_kwonlyargcount,
+    ):
+        return False
+    if len(a.co_consts) != len(b.co_consts):
+        return False
+    for x, y in zip(a.co_consts, b.co_consts):
+        if isinstance(x, types.CodeType) and isinstance(y, types.CodeType):
+            if not _same_code(x, y):
+                return False
+        elif type(x) is not type(y) or x != y:
+            return False
+    return True
 
 
 class _BoundaryCalls(ast.NodeTransformer):

@@ -79,6 +79,7 @@ def packed_attention(module, query, key, value, attention_mask, *, stock_attenti
         causal=getattr(module, "is_causal", True),
         scale=kwargs.get("scaling"),
         window=kwargs.get("sliding_window"),
+        cu_seqlens_cpu=kwargs.get("cu_seq_lens_q_cpu"),
         backend=backend,
     )
     return out.view(rows, row_length, heads, -1), None
@@ -170,7 +171,7 @@ def _make_gated_delta_rule(stock: Callable, backends: Backends) -> Callable:
 
         out = gated_delta_rule_varlen(
             query, key, value, g, beta, cu_seqlens, use_qk_l2norm=use_qk_l2norm_in_kernel,
-            backend=backends.gated_delta,
+            cu_seqlens_cpu=kwargs.get("cu_seq_lens_q_cpu"), backend=backends.gated_delta,
         )
         return out, None
 
@@ -180,6 +181,37 @@ def _make_gated_delta_rule(stock: Callable, backends: Backends) -> Callable:
 GATED_DELTA_RULE = Replacement(
     "torch_chunk_gated_delta_rule",
     _make_gated_delta_rule,
+    ("query", "key", "value", "g", "beta", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel"),
+)
+
+
+def _make_kimi_delta_attention(stock: Callable, backends: Backends) -> Callable:
+    def chunk_kimi_delta_attention(
+        query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+        use_qk_l2norm_in_kernel=False, **kwargs,
+    ):
+        cu_seqlens = kwargs.get("cu_seq_lens_q")
+        if cu_seqlens is None:
+            return stock(
+                query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
+                output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs,
+            )
+        _refuse_state(initial_state is not None or output_final_state, "Kimi delta attention")
+        from ..ops.kimi_delta_attention import kimi_delta_attention_varlen
+
+        out = kimi_delta_attention_varlen(
+            query, key, value, g, beta, cu_seqlens, use_qk_l2norm=use_qk_l2norm_in_kernel,
+            cu_seqlens_cpu=kwargs.get("cu_seq_lens_q_cpu"), backend=backends.gated_delta,
+        )
+        return out, None
+
+    return chunk_kimi_delta_attention
+
+
+# The KDA kernel of Kimi Linear; CUDA backend: the gated-delta-rule kind's choice (fla serves both).
+KIMI_DELTA_ATTENTION = Replacement(
+    "chunk_kimi_delta_attention",
+    _make_kimi_delta_attention,
     ("query", "key", "value", "g", "beta", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel"),
 )
 
@@ -224,8 +256,7 @@ def _make_mamba2_split_conv1d_scan(stock: Callable, backends: Backends) -> Calla
         # A packed batch always takes the mixer's unfused path (returning None is how the stock forward asks
         # for it), whose conv and scan are compilepack's ops, each on its CUDA kernel when installed. The fused
         # kernel is handed raw weights (``out_proj.weight``, the norm's weight), so it would silently bypass
-        # adapters such as LoRA on those modules, and this function never sees the modules to tell; the fused
-        # op stays available as ``compilepack.ops.mamba2_split_conv1d_scan_varlen`` for direct use.
+        # adapters such as LoRA on those modules, and this function never sees the modules to tell.
         return None
 
     return mamba2_split_conv1d_scan_combined
@@ -235,6 +266,59 @@ MAMBA2_SPLIT_CONV1D_SCAN = Replacement(
     "mamba2_split_conv1d_scan_combined",
     _make_mamba2_split_conv1d_scan,
     ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D", "chunk_size"),
+)
+
+
+# ------------------------------------------------------------------------------------------------ Mamba1 scan
+
+
+def _make_selective_scan(stock: Callable, backends: Backends) -> Callable:
+    def mamba_selective_scan(
+        hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+        return_last_state=False, use_mambapy=False, use_associative_scan=False, seq_idx=None, **kwargs,
+    ):
+        if seq_idx is None:
+            return stock(
+                hidden_states, dt, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
+                return_last_state=return_last_state, use_mambapy=use_mambapy,
+                use_associative_scan=use_associative_scan,
+            )
+        _refuse_state(return_last_state, "selective scan")
+        from ..ops.selective_scan import selective_scan_varlen
+
+        return selective_scan_varlen(
+            hidden_states, dt, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
+            seq_idx=seq_idx, backend=backends.ssd,
+        )
+
+    return mamba_selective_scan
+
+
+# Mamba, FalconMamba and Jamba's scan. Their stacks never hand it the boundaries (transformers 5.24): the families
+# thread them there (``Family.boundary_calls``).
+SELECTIVE_SCAN = Replacement(
+    "mamba_selective_scan",
+    _make_selective_scan,
+    ("hidden_states", "dt", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus", "return_last_state"),
+)
+
+
+def _make_mamba_inner(stock: Callable, backends: Backends) -> Callable:
+    def mamba_inner_fn(xz, *args, seq_idx=None, **kwargs):
+        if seq_idx is None:
+            return stock(xz, *args, **kwargs)
+        # No fused Mamba1 kernel resets at document starts (mamba-ssm 2.3.2.post1's MambaInnerFn takes no
+        # seq_idx), on any device: None sends the stock forward down its unfused path, whose conv and scan are
+        # compilepack's boundary-aware ops. Decided from static facts only.
+        return None
+
+    return mamba_inner_fn
+
+
+MAMBA_INNER = Replacement(
+    "mamba_inner_fn",
+    _make_mamba_inner,
+    ("xz", "conv1d_weight", "conv1d_bias", "x_proj_weight", "delta_proj_weight", "out_proj_weight", "A"),
 )
 
 
@@ -250,4 +334,7 @@ def _refuse_state(carries_state: bool, what: str) -> None:
 
 # What one mixer layer of each kind calls, for family files: {"Qwen3NextGatedDeltaNet": GATED_DELTANET}.
 GATED_DELTANET = (CAUSAL_CONV1D, GATED_DELTA_RULE)
+KIMI_DELTA_MIXER = (CAUSAL_CONV1D, KIMI_DELTA_ATTENTION)
 MAMBA2_MIXER = (CAUSAL_CONV1D, MAMBA2_CHUNK_SCAN, MAMBA2_SPLIT_CONV1D_SCAN)
+MAMBA1_MIXER = (CAUSAL_CONV1D, SELECTIVE_SCAN)  # Jamba's mixer has no fused path
+MAMBA1_FUSED_MIXER = (*MAMBA1_MIXER, MAMBA_INNER)  # Mamba's and FalconMamba's

@@ -11,6 +11,7 @@ import torch._dynamo.utils
 
 import compilepack
 from compilepack.patching import families
+from tests.families import variants
 from tests.models import (
     build_pair,
     hf_batch,
@@ -30,7 +31,7 @@ HYBRID_TOLERANCE = 1e-4
 CASES = [
     pytest.param(family, variant, id=f"{family.name}-{variant}")
     for family in families()
-    for variant in family.tiny_configs
+    for variant in variants(family)
 ]
 
 
@@ -63,6 +64,19 @@ def test_packed_logits_equal_each_document_alone(pairs, family, variant, use_cac
     with torch.no_grad():
         packed = patched(**batch, use_cache=use_cache).logits
     assert max_diff_packed_vs_alone(packed, logits_alone(stock, docs), batch["cu_seq_lens_q"]) <= _tolerance(family)
+
+
+@pytest.mark.parametrize("family, variant", CASES)
+def test_tolerance_catches_dropped_boundaries(pairs, family, variant):
+    """The control of the test above: the same documents run as one long document (boundaries dropped) must miss
+    the tolerance by at least 100x, or the tolerance could not tell a leak from rounding."""
+    stock, patched = pairs(family, variant)
+    docs = random_docs(stock.config.get_text_config().vocab_size, LENGTHS)
+    batch, merged = hf_batch(docs), hf_batch([[token for doc in docs for token in doc]])
+    with torch.no_grad():
+        leaked = patched(**merged).logits
+    error = max_diff_packed_vs_alone(leaked, logits_alone(stock, docs), batch["cu_seq_lens_q"])
+    assert error >= 100 * _tolerance(family), f"boundaries dropped: error {error:.2e} only"
 
 
 @pytest.mark.parametrize("family, variant", CASES)

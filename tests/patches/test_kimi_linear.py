@@ -11,6 +11,7 @@ from compilepack.backends import Backends
 from compilepack.errors import BoundaryError
 from compilepack.ops.attention import varlen_attention
 from compilepack.patching import family_named
+from tests.families import tiny_config
 from tests.models import build_pair, hf_batch, logits_alone, max_diff_packed_vs_alone, random_docs
 
 FAMILY = family_named("kimi_linear")
@@ -22,7 +23,7 @@ def pair():
 
 
 def test_tiny_config_has_every_layer_type_and_mla_head_dims():
-    config = FAMILY.tiny_config()
+    config = tiny_config(FAMILY)
     assert set(config.layer_types) == {"linear_attention", "full_attention"}
     assert set(config.mlp_layer_types) == {"dense", "sparse"}
     # the case the value padding exists for: MLA's q/k head dim differs from its value head dim

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from unittest import mock
-
 import pytest
-import torch
 
+import compilepack.ops.mamba2 as mamba2_ops
 from compilepack.backends import Backends
-from compilepack.patching import MAMBA2_SPLIT_CONV1D_SCAN, families, family_named
-from compilepack.patching.batch import _BRIDGE
-from compilepack.patching.rebind import innermost
+from compilepack.patching import MAMBA2_SPLIT_CONV1D_SCAN, families, patch_state
+from compilepack.patching.family import _key
+from compilepack.patching.rebind import private_name
 from tests.models import build_pair, hf_batch, random_docs
 
 LENGTHS = [70, 1, 23, 5, 1, 40]
@@ -22,43 +20,27 @@ MAMBA2_FAMILIES = [
 ]
 
 
-def _fused_calls(family) -> list[tuple[tuple, dict]]:
-    """The (args, kwargs) each mixer passes to the fused-kernel global in one packed training forward on CPU."""
-    _, patched = build_pair(family)
-    mixers = [m for m in patched.modules() if FUSED in innermost(type(m).forward).__code__.co_names]
-    assert mixers, f"{family.name}: no module calls {FUSED}"
-    calls = []
-
-    def record(*args, **kwargs):
-        calls.append((args, kwargs))
-        return None  # the stock forward then takes its unfused path
-
-    rebound_globals = innermost(mixers[0].forward.__func__).__globals__
-    patched.train()
-    with mock.patch.dict(rebound_globals, {FUSED: record}):
-        patched(**hf_batch(random_docs(patched.config.get_text_config().vocab_size, LENGTHS)))
-    return calls
-
-
 @pytest.mark.parametrize("family", MAMBA2_FAMILIES)
-def test_packed_training_never_takes_the_fused_kernel(family):
+def test_packed_training_declines_the_fused_kernel_and_runs_compilepacks_scan(family, monkeypatch):
     """Even with CUDA and both kernel libraries, a packed call declines the fused kernel (it would be handed raw
-    weights and bypass adapters such as LoRA on out_proj): the mixer's unfused path, with compilepack's ops, runs."""
-    calls = _fused_calls(family)
-    assert calls and all(kwargs.get("seq_idx") is not None for _, kwargs in calls)
-    replacement = MAMBA2_SPLIT_CONV1D_SCAN.make(None, Backends(conv="causal_conv1d", ssd="mamba_ssm"))
-    with mock.patch("compilepack.ops.mamba2.mamba2_split_conv1d_scan_varlen", autospec=True) as fused_op:
-        for args, kwargs in calls:
-            assert replacement(*args, **kwargs) is None
-    assert fused_op.call_count == 0
+    weights and bypass adapters such as LoRA on out_proj): the fused global is called with the boundaries and
+    answers None, and the mixer's unfused path runs compilepack's boundary-aware scan, once per mixer."""
+    _, patched = build_pair(family)
+    modeling = __import__(family.modeling, fromlist=["_"])
+    installed = private_name(_key(patch_state(patched).backends), FUSED)
+    cuda_backends = MAMBA2_SPLIT_CONV1D_SCAN.make(modeling.__dict__[FUSED], Backends(conv="causal_conv1d", ssd="mamba_ssm"))
+    answers, scans = [], []
 
+    def fused(*args, **kwargs):
+        answers.append((kwargs.get("seq_idx") is not None, cuda_backends(*args, **kwargs)))
+        return answers[-1][1]
 
-def test_mamba2_bridge_is_removed_after_each_call():
-    """Mamba2ForCausalLM hands the boundaries to its backbone through a temporary attribute: none is left behind."""
-    _, patched = build_pair(family_named("mamba2"))
-    batch = hf_batch(random_docs(256, LENGTHS))
-    with torch.no_grad():
-        patched(**batch)
-        compiled = torch.compile(patched, backend="aot_eager", fullgraph=True, dynamic=True)
-        compiled(**batch)
-    assert _BRIDGE not in patched.backbone.__dict__
+    scan = mamba2_ops.mamba2_chunk_scan_varlen
+    monkeypatch.setitem(modeling.__dict__, installed, fused)
+    monkeypatch.setattr(mamba2_ops, "mamba2_chunk_scan_varlen", lambda *a, **k: scans.append(1) or scan(*a, **k))
+    patched.train()
+    patched(**hf_batch(random_docs(patched.config.get_text_config().vocab_size, LENGTHS)))
+    mixer_classes = {name for name, needed in family.layers.items() if MAMBA2_SPLIT_CONV1D_SCAN in needed}
+    mixers = sum(1 for m in patched.modules() if type(m).__name__ in mixer_classes)
+    assert answers and answers == [(True, None)] * len(answers)
+    assert len(scans) == mixers == len(answers)
