@@ -19,7 +19,6 @@ def main(argv: list[str] | None = None) -> int:
 
     explain_parser = commands.add_parser("explain", help="graphs, breaks, recompiles and correctness: stock vs patched")
     explain_parser.add_argument("family", help="model family, e.g. llama, qwen3_next, qwen3_5, bamba")
-    explain_parser.add_argument("--variant", default=None, help="tiny config variant (default: the family's first)")
     explain_parser.add_argument("--batches", type=int, default=10, help="batches in the recompile count")
     explain_parser.set_defaults(run=_explain_command)
 
@@ -42,10 +41,11 @@ def _bench_command(args) -> int:
 def _explain_command(args) -> int:
     from transformers import DataCollatorWithFlattening
 
+    from .bench.configs import build_bench_model
+
     family = patching.family_named(args.family)
-    variant = args.variant or next(iter(family.tiny_configs))
     torch.manual_seed(0)
-    stock = family.build_tiny(variant).eval()
+    stock = build_bench_model(family.name).eval()
     patched = patching.patch(copy.deepcopy(stock))
     collate = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)
     vocab = stock.config.get_text_config().vocab_size
@@ -53,7 +53,7 @@ def _explain_command(args) -> int:
     batch = collate([{"input_ids": d} for d in docs])
     stream = [collate([{"input_ids": d} for d in _documents(vocab, _lengths(i), seed=i)]) for i in range(args.batches)]
 
-    print(f"compilepack explain {family.name} (tiny '{variant}' config, {stock.config.num_hidden_layers} layers; "
+    print(f"compilepack explain {family.name} (the benchmark's model, {stock.config.num_hidden_layers} layers; "
           f"HF DataCollatorWithFlattening batches; torch {torch.__version__})")
     header = f"{'':8} {'forward':>16} {'forward+backward':>18} {'compiles/' + str(args.batches) + ' batches':>20} {'max |packed - alone| logit':>28}"
     print(header)
@@ -72,9 +72,9 @@ def _explain_row(model, batch, stream, docs):
     cells = []
     for backward in (False, True):
         model.train(backward)
-        cells.append(_attempt(lambda: _graphs(explain(model, batch, backward=backward), notes), notes))
+        cells.append(_attempt(lambda: _graphs(explain(model, batch, backward=backward, reset=True), notes), notes))
     model.eval()
-    cells.append(_attempt(lambda: str(count_compiles(model, stream, dynamic=True).compiles), notes))
+    cells.append(_attempt(lambda: str(count_compiles(model, stream, dynamic=True, reset=True).compiles), notes))
     cells.append(_attempt(lambda: f"{_max_logit_diff(model, batch, docs):.2e}", notes))
     return cells, list(dict.fromkeys(notes))
 

@@ -11,6 +11,7 @@ from transformers import DataCollatorWithFlattening
 
 import compilepack
 from compilepack.patching import Family
+from tests.families import build_tiny
 
 HF_COLLATOR = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)
 
@@ -18,7 +19,7 @@ HF_COLLATOR = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_s
 def build_pair(family: Family, variant: str | None = None, seed: int = 0):
     """(stock, patched) tiny fp32 models with identical weights, in eval mode."""
     torch.manual_seed(seed)
-    stock = family.build_tiny(variant).eval()
+    stock = build_tiny(family, variant).eval()
     patched = compilepack.patch(copy.deepcopy(stock))
     return stock, patched
 

@@ -10,6 +10,8 @@ import pytest
 from compilepack.bench import modes
 from compilepack.bench.worker import ModeSpec, measure_mode
 from compilepack.cli import main
+from compilepack.patching import family_named
+from tests.families import tiny_config
 
 TINY = modes.Workload(tokens_per_step=256, steps=1)
 RESULT_KEYS = {"family", "mode", "tokens_per_s", "compile_s", "graphs", "graph_breaks", "compiles", "peak_mem_mb",
@@ -19,7 +21,7 @@ RESULT_KEYS = {"family", "mode", "tokens_per_s", "compile_s", "graphs", "graph_b
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    argv = ["bench", "--model", "llama", "--config", "tiny", "--tokens-per-step", "256", "--steps", "1",
+    argv = ["bench", "--model", "llama", "--tokens-per-step", "256", "--steps", "1",
             "--compile-backend", "eager", "--no-progress", "--out", str(out)]
     assert main(argv) == 0
     (json_path,) = out.glob("cpu-*.json")
@@ -51,7 +53,7 @@ def test_figures_are_consistent(report):
 
 def test_a_failing_mode_is_recorded_not_raised():
     # stock Qwen3.5 refuses the HF collator's boundary kwargs without the causal_conv1d CUDA package
-    result = measure_mode(ModeSpec("qwen3_5", "stock_packed", TINY, config="tiny"))
+    result = measure_mode(ModeSpec("qwen3_5", "stock_packed", TINY, config=tiny_config(family_named("qwen3_5"))))
     assert result["error"].startswith("ValueError") and "causal_conv1d" in result["error"]
     assert result["tokens_per_s"] is None
     assert result["max_logit_diff_position_ids_only"] > 1e-3  # and with position_ids only, it leaks
@@ -60,6 +62,6 @@ def test_a_failing_mode_is_recorded_not_raised():
 def test_a_mode_past_its_time_limit_is_stopped_and_recorded():
     from compilepack.bench.isolation import ModeRunner
 
-    spec = ModeSpec("llama", "stock_padded_eager", TINY, config="tiny")
+    spec = ModeSpec("llama", "stock_padded_eager", TINY, config=tiny_config(family_named("llama")))
     result = ModeRunner().run(spec, timeout_s=0.01)
     assert result["error"].startswith("TimeoutError") and result["mode"] == "stock_padded_eager"

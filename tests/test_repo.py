@@ -23,13 +23,21 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert "python -m compilepack bench" in readme_commands[0]
 
 
-def test_every_family_has_tiny_configs_and_a_docs_row():
+def test_every_family_has_test_configs_a_bench_model_and_a_docs_row():
+    """A family is a file in patches/ plus an entry in each of these tables (where they are used)."""
+    from compilepack.bench.configs import BENCH_CONFIGS
+    from compilepack.bench.models_doc import KERNELS, STOCK_PACKED
+    from tests.families import TINY_CONFIGS
+
     table = (ROOT / "docs" / "models.md").read_text()
     rows = {line.split("|")[1].strip().strip("`") for line in table.splitlines() if line.startswith("| `")}
-    for family in compilepack.families():
-        assert family.tiny_configs, family.name
-        assert family.name in rows, f"docs/models.md has no row for {family.name}"
-        assert family.kernels and family.stock_packed, f"{family.name}: describe kernels and stock behaviour"
+    names = {family.name for family in compilepack.families()}
+    for where, entries in (("tests/families.py TINY_CONFIGS", TINY_CONFIGS),
+                           ("compilepack/bench/configs.py BENCH_CONFIGS", BENCH_CONFIGS),
+                           ("compilepack/bench/models_doc.py KERNELS", KERNELS),
+                           ("compilepack/bench/models_doc.py STOCK_PACKED", STOCK_PACKED)):
+        assert set(entries) == names, f"{where}: missing {names - set(entries)}, unknown {set(entries) - names}"
+    assert names <= rows, f"docs/models.md has no row for {names - rows}"
 
 
 def test_every_patch_module_registers_a_family():
@@ -57,9 +65,9 @@ def test_every_package_is_installed():
 def test_importing_and_patching_imports_no_cuda_library():
     code = (
         "import sys, compilepack, torch\n"
-        "from compilepack.patching import family_named\n"
+        "from compilepack.bench.configs import build_bench_model\n"
         "for name in ('llama', 'qwen3_next', 'bamba'):\n"
-        "    compilepack.patch(family_named(name).build_tiny())\n"
+        "    compilepack.patch(build_bench_model(name))\n"
         f"print([m for m in sys.modules if m.split('.')[0] in {CUDA_ONLY_MODULES!r}])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -3,12 +3,14 @@
     python benchmarks/gpu_check.py --out gpu_check.json                     # on a CUDA machine (< 8 minutes)
     python benchmarks/gpu_check.py --device cpu --smoke --out smoke.json    # the same plumbing on CPU, seconds
 
+(``benchmarks/gpu_check.py`` runs this module, ``compilepack.bench.gpu_check``.)
+
 On CUDA it checks, with whatever kernel libraries are installed (``compilepack.backends.resolve("auto")``):
 
 1. ops: every op with its CUDA backend against the pure-torch reference, forward and input gradients, by the
    flash-attention rule "kernel error <= 2x the same-dtype reference error vs an fp32 reference" (plus a small
    absolute floor), and packed == each document run alone through the same kernel;
-2. families: a patched tiny model per family in bf16, packed logits vs each document alone, explain
+2. families: a patched bench model per family in bf16, packed logits vs each document alone, explain
    (graphs/breaks), compiles over 6 varied HF batches, and a compiled (inductor) training step run under
    ``torch.cuda.set_sync_debug_mode("error")``: any device-to-host sync raises and is recorded with its op;
 3. speed: tokens/s of patched compiled vs stock on the same HF-collated batches (stock: sdpa with the dense
@@ -42,6 +44,8 @@ from compilepack.ops import (
     varlen_attention,
 )
 from compilepack.patching import family_named
+
+from .configs import bench_config
 
 HEADLINE = ["llama", "qwen3_next", "qwen3_5", "bamba"]
 COLLATE = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)
@@ -186,9 +190,8 @@ def _lengths(rng, count, low, high):
 
 
 def check_family(name, device, dtype, smoke, compile_backend):
-    family = family_named(name)
     torch.manual_seed(0)
-    stock = family.build_tiny().to(device=device, dtype=dtype).eval()
+    stock = AutoModelForCausalLM.from_config(bench_config(name)).to(device=device, dtype=dtype).eval()
     patched = compilepack.patch(copy.deepcopy(stock))
     vocab = stock.config.get_text_config().vocab_size
     rng = random.Random(1)
@@ -204,9 +207,9 @@ def check_family(name, device, dtype, smoke, compile_backend):
         return max(_max_err(packed[s:e], a) for s, e, a in zip(cu[:-1], cu[1:], alone))
 
     result["max_logit_diff_packed_vs_alone"] = _guarded({}, packed_vs_alone)
-    result["explain_forward"] = _guarded({}, lambda: str(compilepack.explain(patched, batch)))
+    result["explain_forward"] = _guarded({}, lambda: str(compilepack.explain(patched, batch, reset=True)))
     stream = [_batch(_docs(vocab, _lengths(rng, rng.randint(1, 6), 1, 300), seed=i), device) for i in range(6)]
-    result["compiles_over_6_batches"] = _guarded({}, lambda: compilepack.count_compiles(patched, stream).compiles)
+    result["compiles_over_6_batches"] = _guarded({}, lambda: compilepack.count_compiles(patched, stream, reset=True).compiles)
     result["compiled_training_step"] = _guarded(
         {}, lambda: _sync_free_training_step(patched, stream, device, compile_backend))
     return result
@@ -235,15 +238,16 @@ def _sync_free_training_step(model, stream, device, compile_backend):
             torch.cuda.set_sync_debug_mode(0)
     model.zero_grad(set_to_none=True)
     model.eval()
-    return {"warm_up_s": warm_s, "sync_free": sync_error is None, "sync_error": sync_error}
+    # sync-debug mode exists only on CUDA: elsewhere the step ran but nothing was checked
+    sync_free = (sync_error is None) if device.type == "cuda" else None
+    return {"warm_up_s": warm_s, "sync_free": sync_free, "sync_error": sync_error}
 
 
 # ------------------------------------------------------------------------------------------------ speed
 
 
 def measure_speed(name, device, dtype, steps, tokens_per_step, compile_backend, smoke=False):
-    family = family_named(name)
-    config = family.tiny_config() if smoke or family.bench_config is None else family.bench_config()
+    config = bench_config(name)
     torch.manual_seed(0)
     stock = AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype)
     patched = compilepack.patch(copy.deepcopy(stock))

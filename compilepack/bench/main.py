@@ -30,8 +30,6 @@ def add_arguments(parser) -> None:
                         help="real (non-padding) tokens per step, at most (default: 8192)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default: cpu)")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend (default: inductor)")
-    parser.add_argument("--config", choices=("bench", "tiny"), default="bench",
-                        help="bench: each family's bench_config (hidden 256, a few layers); tiny: its first tiny config")
     parser.add_argument("--mode-timeout", type=float, default=120.0,
                         help="seconds a mode may take before it is stopped and reported as timed out (default: 120)")
     parser.add_argument("--inductor-cache", choices=("fresh", "shared"), default="fresh",
@@ -100,7 +98,7 @@ def _run_all(args, families, modes, workload, scratch: pathlib.Path, log_dir: pa
         for family, mode in jobs:
             spec = ModeSpec(
                 family=family, mode=mode, workload=workload, device=args.device,
-                compile_backend=args.compile_backend, config=args.config, threads=args.threads,
+                compile_backend=args.compile_backend, threads=args.threads,
                 log_path=str(log_dir / f"{family}-{mode}.log"),
                 inductor_cache_dir=_cache_dir(args.inductor_cache, scratch, family, mode), profile=args.profile,
             )
@@ -180,7 +178,7 @@ def _report(args, results: list[dict], workload, wall_s: float) -> dict:
             "warmup_steps": workload.warmup_steps,
             "seed": workload.seed,
             "compile_backend": args.compile_backend,
-            "config": args.config,
+            "config": "bench",
             "mode_timeout_s": args.mode_timeout if args.isolation == "process" else None,
             "inductor_cache": "fresh per mode (cold compiles)" if args.inductor_cache == "fresh" else "shared",
             "isolation": args.isolation,

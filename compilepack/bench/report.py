@@ -6,6 +6,7 @@ import json
 import pathlib
 
 from .bars import tokens_per_s
+from .markdown import cell, text_cell
 from .modes import MODE_NAMES, PADDED_MODES
 
 RATIO_BASES = PADDED_MODES  # every mode is also shown as a multiple of each stock padded mode
@@ -85,14 +86,14 @@ def _markdown_row(r: dict) -> str:
     cells = [
         r["family"],
         r["mode"],
-        _num(r.get("tokens_per_s"), "{:.0f}"),
-        *(_num(ratios.get(base), "{:.2f}x") for base in RATIO_BASES),
-        _num(r.get("compile_s"), "{:.1f}"),
+        cell(r.get("tokens_per_s"), "{:.0f}"),
+        *(cell(ratios.get(base), "{:.2f}x") for base in RATIO_BASES),
+        cell(r.get("compile_s"), "{:.1f}"),
         _graphs(r),
-        _num(r.get("compiles"), "{}"),
-        _num(r.get("peak_mem_mb"), "{:.0f}"),
+        cell(r.get("compiles"), "{}"),
+        cell(r.get("peak_mem_mb"), "{:.0f}"),
         _diff(r),
-        _num(r.get("padding_frac"), "{:.0%}"),
+        cell(r.get("padding_frac"), "{:.0%}"),
         _issue(r),
     ]
     return "| " + " | ".join(cells) + " |"
@@ -100,12 +101,8 @@ def _markdown_row(r: dict) -> str:
 
 def _bar_row(bar: dict) -> str:
     met = {True: "met", False: "**missed**", None: "n/a"}[bar["met"]]
-    value = _num(bar["value"], "{:.2f}")
+    value = cell(bar["value"], "{:.2f}")
     return f"| {bar['family']} | {bar['bar']} | {value} | {bar['target']} | {met} | {bar['detail']} |"
-
-
-def _num(value, fmt: str) -> str:
-    return "-" if value is None else fmt.format(value)
 
 
 def _graphs(r: dict) -> str:
@@ -113,14 +110,13 @@ def _graphs(r: dict) -> str:
 
 
 def _diff(r: dict) -> str:
-    text = _num(r.get("max_logit_diff"), "{:.1e}")
+    text = cell(r.get("max_logit_diff"), "{:.1e}")
     leak = r.get("max_logit_diff_position_ids_only")
     return text if leak is None else f"{text} (position_ids only: {leak:.1e})"
 
 
 def _issue(r: dict) -> str:
-    text = r.get("error") or r.get("note") or ""
-    return text.replace("|", "\\|")[:160]
+    return text_cell(r.get("error") or r.get("note") or "")
 
 
 # ------------------------------------------------------------------------------------------------ plot
@@ -182,16 +178,16 @@ def print_console(report: dict) -> None:
     for r in report["results"]:
         ratios = r.get("speedup_vs") or {}
         table.add_row(
-            r["family"], r["mode"], _num(r.get("tokens_per_s"), "{:.0f}"),
-            *(_num(ratios.get(base), "{:.2f}x") for base in RATIO_BASES),
-            _num(r.get("compile_s"), "{:.1f}"), _graphs(r), _num(r.get("compiles"), "{}"),
-            _num(r.get("peak_mem_mb"), "{:.0f}"), _num(r.get("max_logit_diff"), "{:.1e}"),
-            _num(r.get("padding_frac"), "{:.0%}"), _issue(r)[:60],
+            r["family"], r["mode"], cell(r.get("tokens_per_s"), "{:.0f}"),
+            *(cell(ratios.get(base), "{:.2f}x") for base in RATIO_BASES),
+            cell(r.get("compile_s"), "{:.1f}"), _graphs(r), cell(r.get("compiles"), "{}"),
+            cell(r.get("peak_mem_mb"), "{:.0f}"), cell(r.get("max_logit_diff"), "{:.1e}"),
+            cell(r.get("padding_frac"), "{:.0%}"), _issue(r)[:60],
         )
     console = Console(width=max(Console().width, 180))  # a narrow or piped terminal would fold every cell
     console.print(table)
     for bar in report["bars"]:
         met = {True: "[green]met[/]", False: "[red]missed[/]", None: "[yellow]n/a[/]"}[bar["met"]]
-        console.print(f"{bar['family']:>11}  {met}  {bar['bar']}: {_num(bar['value'], '{:.2f}')} "
+        console.print(f"{bar['family']:>11}  {met}  {bar['bar']}: {cell(bar['value'], '{:.2f}')} "
                       f"(target {bar['target']}) {bar['detail']}")
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import statistics
 import traceback
 
 import torch
@@ -25,7 +24,7 @@ class ModeSpec:
     workload: Workload
     device: str = "cpu"
     compile_backend: str = "inductor"
-    config: str = "bench"  # "bench": the family's bench_config (else its first tiny config); "tiny": first tiny
+    config: object = None  # a transformers config to train instead of the family's bench model (tests)
     check_docs: int = 6  # documents of the first batch compared against themselves run alone
     threads: int | None = None  # None: torch's default for the machine
     log_path: str | None = None
@@ -83,7 +82,7 @@ def _import_family(spec: ModeSpec) -> None:
     from compilepack.patching import family_named
 
     try:
-        family_named(spec.family).build_tiny()
+        build_model(family_named(spec.family), spec.config, seed=0)
     except Exception:  # measure_mode meets the same error and records it
         pass
     gc.collect()
@@ -136,15 +135,14 @@ def _measure(spec: ModeSpec, result: dict, report) -> None:
         result["profile_top"] = _profile_step(step_model, timed[-1], optimizer, sync, device)
 
 
-def build_model(family, config: str, seed: int) -> torch.nn.Module:
-    """The family's bench model (or first tiny model), random init from ``seed``, training mode, no cache."""
+def build_model(family, config, seed: int) -> torch.nn.Module:
+    """The family's bench model (or ``config``'s), random init from ``seed``, training mode, no cache."""
     from transformers import AutoModelForCausalLM
 
+    from .configs import bench_config
+
     torch.manual_seed(seed)
-    if config == "bench" and family.bench_config is not None:
-        model = AutoModelForCausalLM.from_config(family.bench_config())
-    else:
-        model = family.build_tiny()
+    model = AutoModelForCausalLM.from_config(config if config is not None else bench_config(family.name))
     for sub_config in (model.config, getattr(model.config, "text_config", None)):
         if sub_config is not None:
             sub_config.use_cache = False  # what HF Trainer sets for training

@@ -38,9 +38,10 @@ def target_count(batch: dict) -> int:
 def build_patched(family_name: str) -> torch.nn.Module:
     import compilepack
     from compilepack.patching import family_named
+    from tests.families import build_tiny
 
     torch.manual_seed(0)
-    return compilepack.patch(family_named(family_name).build_tiny()).train()
+    return compilepack.patch(build_tiny(family_named(family_name))).train()
 
 
 def rank_loss(model, batch: dict, all_targets: int, world_size: int) -> torch.Tensor:

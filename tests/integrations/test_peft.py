@@ -16,6 +16,7 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 
 import compilepack  # noqa: E402
 from compilepack.patching import family_named  # noqa: E402
+from tests.families import build_tiny
 from tests.models import hf_batch, random_docs, relative_grad_error, summed_token_loss  # noqa: E402
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -37,7 +38,7 @@ LENGTHS = [70, 1, 23, 5, 40]
 def lora_pair(family_name: str):
     """(unpatched LoRA model, patched LoRA model with gradient checkpointing), identical weights, train mode."""
     torch.manual_seed(0)
-    base = family_named(family_name).build_tiny()
+    base = build_tiny(family_named(family_name))
     # init_lora_weights=False: B is random too, so the adapters change the forward and both A and B get gradients
     config = LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS[family_name], init_lora_weights=False)
     stock = get_peft_model(base, config).train()

@@ -15,6 +15,7 @@ from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
 import compilepack
 from compilepack.patching import family_named
+from tests.families import build_tiny
 from tests.integrations.common import (
     LOSS_TOLERANCE,
     MIXING_SHIFT,
@@ -70,7 +71,7 @@ CASES = [
 @pytest.mark.parametrize("family_name, make_collator, max_graphs", CASES)
 def test_trainer_compiled_first_step_equals_per_sample_loss(tmp_path, family_name, make_collator, max_graphs):
     torch.manual_seed(0)
-    model = family_named(family_name).build_tiny()
+    model = build_tiny(family_named(family_name))
     stock = copy.deepcopy(model).eval()
     samples = training_docs(model.config.vocab_size)
     trainer = recording(Trainer)(

@@ -22,6 +22,7 @@ import compilepack  # noqa: E402
 from compilepack.boundaries import BOUNDARY_KEYS  # noqa: E402
 from compilepack.integrations import with_boundaries  # noqa: E402
 from compilepack.patching import family_named  # noqa: E402
+from tests.families import build_tiny
 from tests.integrations.common import (  # noqa: E402
     LOSS_TOLERANCE,
     MIXING_SHIFT,
@@ -48,7 +49,7 @@ def test_sft_trainer_padding_free_compiled_first_step_equals_per_sample_loss(tmp
     from datasets import Dataset
 
     torch.manual_seed(0)
-    model = family_named("llama").build_tiny()
+    model = build_tiny(family_named("llama"))
     stock = copy.deepcopy(model).eval()
     samples = training_docs(model.config.vocab_size)
     args = SFTConfig(

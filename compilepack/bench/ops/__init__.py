@@ -1,9 +1,9 @@
 """Op-level benchmark: each stock transformers function vs compilepack's op, on the same packed tokens.
 
-    python benchmarks/bench_ops.py                 # every module in benchmarks/ops/, CPU
-    python benchmarks/bench_ops.py --ops attention,causal_conv1d --T 4096 --n-docs 32
+    python -m compilepack.bench.ops                 # every op module of this package, CPU
+    python -m compilepack.bench.ops --ops attention,causal_conv1d --T 4096 --n-docs 32
 
-A module in ``benchmarks/ops/`` exposes ``NAME`` and ``setup(T, n_docs, device, seed)`` returning ``{"stock": fn,
+A module of this package exposes ``NAME`` and ``setup(T, n_docs, device, seed)`` returning ``{"stock": fn,
 "packed": fn, "inputs": [tensors requiring grad]}``; both functions return one tensor. Stock runs on the packed
 row as transformers would (ignoring boundaries, except attention, whose stock path builds a dense mask), so
 its figure is a cost baseline, not a correct alternative. Forward and forward+backward are timed with stock and
@@ -23,11 +23,9 @@ import statistics
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:  # run as a script: make ``benchmarks`` and ``compilepack`` importable
-    sys.path.insert(0, str(ROOT))
+import torch
 
-import torch  # noqa: E402
+from ..markdown import cell
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ops", default="all", help="comma-separated op modules of benchmarks/ops (default: all)")
+    parser.add_argument("--ops", default="all", help="comma-separated op modules (default: all)")
     parser.add_argument("--T", type=int, default=2048, help="tokens in the packed row (default: 2048)")
     parser.add_argument("--n-docs", type=int, default=16, help="documents in the row (default: 16)")
     parser.add_argument("--device", default="cpu")
@@ -57,20 +55,20 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=15, help="timed repeats per function (default: 15)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed repeats first (default: 3)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--out", default="benchmarks/results", help="output directory (default: benchmarks/results)")
     return parser
 
 
 def op_modules(selection: str = "all") -> list:
-    """The modules of ``benchmarks/ops`` that expose NAME and setup, in name order (or the selected ones)."""
-    import benchmarks.ops as package
+    """The op modules of this package (exposing NAME and setup), in name order (or the selected ones)."""
+    package = sys.modules[__name__]
 
     names = sorted(info.name for info in pkgutil.iter_modules(package.__path__) if not info.name.startswith("_"))
     if selection != "all":
         wanted = [name.strip() for name in selection.split(",") if name.strip()]
         unknown = sorted(set(wanted) - set(names))
         if unknown:
-            raise SystemExit(f"no op module {unknown} in benchmarks/ops; available: {', '.join(names)}")
+            raise SystemExit(f"no op module {unknown} in {__name__}; available: {', '.join(names)}")
         names = wanted
     modules = [importlib.import_module(f"{package.__name__}.{name}") for name in names]
     return [m for m in modules if hasattr(m, "NAME") and hasattr(m, "setup")]
@@ -187,19 +185,15 @@ def markdown(report: dict) -> str:
         fwd, both = row.get("fwd") or {}, row.get("fwd+bwd") or {}
         cells = [
             row["op"],
-            *(_fmt(fwd.get(k), "{:.2f}") for k in ("stock_ms", "packed_ms")),
-            _fmt(fwd.get("speedup"), "{:.2f}x"),
-            *(_fmt(both.get(k), "{:.2f}") for k in ("stock_ms", "packed_ms")),
-            _fmt(both.get("speedup"), "{:.2f}x"),
-            _fmt(row.get("max_abs_diff"), "{:.1e}"),
+            *(cell(fwd.get(k), "{:.2f}") for k in ("stock_ms", "packed_ms")),
+            cell(fwd.get("speedup"), "{:.2f}x"),
+            *(cell(both.get(k), "{:.2f}") for k in ("stock_ms", "packed_ms")),
+            cell(both.get("speedup"), "{:.2f}x"),
+            cell(row.get("max_abs_diff"), "{:.1e}"),
             row.get("error") or "",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
-
-
-def _fmt(value, fmt: str) -> str:
-    return "-" if value is None else fmt.format(value)
 
 
 def _one_line(row: dict) -> str:
