@@ -9,7 +9,6 @@ exactly the output it gets when run alone.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from ... import backends
