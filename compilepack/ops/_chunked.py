@@ -1,10 +1,14 @@
-"""Helpers shared by the chunked delta-rule references (gated delta rule, Kimi delta attention)."""
+"""What the two chunked delta-rule ops (gated delta rule, Kimi delta attention) share: the op declaration and
+input checks, and for their references the chunk layout, the per-chunk document masks and the l2norm helpers."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from ._common import seq_idx_from_cu_seqlens
+from ._scaffold import Op, Path, define_op
 
 L2NORM_EPS = 1e-6  # transformers' l2norm and fla's l2norm_fwd use the same eps
 
@@ -37,9 +41,60 @@ def l2norm_backward(dy: Tensor, y: Tensor, rstd: Tensor | None) -> Tensor:
     return rstd * (dy - (dy * y).sum(-1, keepdim=True) * y)
 
 
+class ChunkedInputs:
+    """A delta-rule op's inputs cut into chunks of ``chunk`` tokens, and every chunk's document masks: what both
+    references' chunk-parallel parts start from.
+
+    Tokens ``[B, T, heads, D]`` become ``[NC, H, G or 1, C, D]`` in the compute dtype (:meth:`chunked`; inverse
+    :meth:`tokens`), with ``G = HV // H`` value heads per q/k head: ``q`` (normalised, then scaled) and ``k``
+    ``[NC, H, 1, C, K]``, ``v`` ``[NC, H, G, C, V]``, ``beta`` ``[NC, H, G, C, 1]``. Per chunk: ``doc`` ``[NC, C]``
+    each token's document id; ``same_doc`` ``[NC, C, C]`` the lower-triangular same-document mask (True on the
+    diagonal); ``reads_state_NC`` whether a token continues the document of the token before its chunk (so it
+    reads the carried state); ``in_last_doc_NC`` whether it belongs to the chunk's last document.
+    """
+
+    def __init__(self, q, k, v, beta, cu_seqlens, use_qk_l2norm, scale, chunk):
+        H, K = q.shape[2:]
+        self.total, self.H, self.G = q.shape[0] * q.shape[1], H, v.shape[2] // H
+        self.n_chunks, self.chunk = -(-self.total // chunk), chunk
+        self.dtype = compute_dtype(q)
+        # normalised, unscaled q and k: the l2norm backward needs them
+        self.q_unit, self.q_rstd = l2norm(q.reshape(self.total, H, K).to(self.dtype), use_qk_l2norm)
+        self.k_unit, self.k_rstd = l2norm(k.reshape(self.total, H, K).to(self.dtype), use_qk_l2norm)
+        self.q, self.k = self.chunked(self.q_unit * scale), self.chunked(self.k_unit)
+        self.v, self.beta = self.chunked(v), self.chunked(beta[..., None])
+        # padding tokens past cu_seqlens[-1] get their own document id, so they never touch real tokens
+        doc = seq_idx_from_cu_seqlens(cu_seqlens, self.n_chunks * chunk).view(self.n_chunks, chunk)
+        causal = torch.ones(chunk, chunk, dtype=torch.bool, device=doc.device).tril()
+        previous = F.pad(doc[:-1, -1:], (0, 0, 1, 0), value=-1)  # the document of the token before each chunk
+        self.doc, self.same_doc = doc, (doc[:, :, None] == doc[:, None, :]) & causal
+        self.reads_state_NC, self.in_last_doc_NC = doc == previous, doc == doc[:, -1:]
+
+    def chunked(self, x: Tensor) -> Tensor:
+        """Tokens ``[B, T, H * (G or 1), D]`` (or ``[B*T, H, D]``) -> ``[NC, H, G or 1, C, D]`` in the compute dtype."""
+        return to_chunks(x.reshape(self.total, self.H, -1, x.shape[-1]).to(self.dtype), self.n_chunks, self.chunk)
+
+    def tokens(self, x: Tensor) -> Tensor:
+        """``[NC, H, G, C, D]`` -> ``[B*T, H*G, D]``, the inverse of :meth:`chunked`."""
+        return from_chunks(x.flatten(1, 2), self.total)
+
+    def qk_grads(self, d_q: Tensor, d_k: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+        """The gradients of the op's q and k (``[B*T, H, K]``) from those of the chunked ``q`` and ``k``."""
+        d_q = l2norm_backward(self.tokens(d_q) * scale, self.q_unit, self.q_rstd)
+        return d_q, l2norm_backward(self.tokens(d_k), self.k_unit, self.k_rstd)
+
+
+def fake_chunk_states(q: Tensor, v: Tensor, chunk: int) -> tuple[Tensor, list[Tensor]]:
+    """What a delta-rule reference's forward returns: ``o`` in q's dtype, and the state at every chunk start
+    (``[NC, HV, K, V]``) flat, in the compute dtype."""
+    n_chunks = -(-q.shape[0] * q.shape[1] // chunk)
+    states = q.new_empty(n_chunks * v.shape[2] * q.shape[3] * v.shape[3], dtype=compute_dtype(q))
+    return v.new_empty(v.shape, dtype=q.dtype), [states]
+
 
 def segmented_cumsum(x: Tensor, same_doc: Tensor, tokens_dim: int = -1) -> Tensor:
-    """Cumulative sum over a chunk's tokens that restarts at every document start: ``out_i = sum_{j <= i, same doc} x_j``.
+    """Cumulative sum over a chunk's tokens that restarts at every document start:
+    ``out_i = sum_{j <= i, same doc} x_j``.
 
     ``x`` is chunks first, ``[NC, ..., C]`` (``tokens_dim=-1``) or ``[NC, ..., C, K]`` (``tokens_dim=-2``, one sum
     per channel); ``same_doc`` is the ``[NC, C, C]`` lower-triangular same-document mask (True on the diagonal).
@@ -80,7 +135,9 @@ def check_delta_rule_inputs(q, k, v, g, beta, cu_seqlens, per_channel_decay: boo
         raise ValueError(f"v must be [B, T, HV, V] with q's B, T = {tuple(q.shape[:2])}, got {tuple(v.shape)}.")
     if v.shape[2] % q.shape[2] != 0:
         raise ValueError(f"v's head count HV={v.shape[2]} must be a multiple of q's H={q.shape[2]}.")
-    g_shape, g_text = (v.shape[:3], "[B, T, HV]") if not per_channel_decay else ((*v.shape[:3], q.shape[3]), "[B, T, HV, K]")
+    g_shape, g_text = (v.shape[:3], "[B, T, HV]")
+    if per_channel_decay:
+        g_shape, g_text = (*v.shape[:3], q.shape[3]), "[B, T, HV, K]"
     if g.shape != g_shape:
         raise ValueError(f"g must be {g_text} = {tuple(g_shape)}, got {tuple(g.shape)}.")
     if beta.shape != v.shape[:3]:
@@ -92,3 +149,28 @@ def check_delta_rule_inputs(q, k, v, g, beta, cu_seqlens, per_channel_decay: boo
         raise ValueError(
             f"cu_seqlens must be a 1-D int32 tensor [N+1], got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}."
         )
+
+
+def _signature(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor, cu_seqlens_cpu: Tensor | None,
+    use_qk_l2norm: bool, scale: float, backend: str,
+): ...
+
+
+def define_delta_rule_op(name: str, reference: Path, fla: Path, fla_applies=None) -> Op:
+    """The custom op of a delta rule: inputs ``q, k, v, g, beta`` (differentiable), the boundaries, the l2norm
+    flag and the scale; the reference path, and fla's kernels on CUDA (where ``fla_applies``, if given)."""
+    return define_op(
+        name, signature=_signature, differentiable=("q", "k", "v", "g", "beta"), reference=reference,
+        kernels={"fla": fla}, kernel_applies=fla_applies,
+    )
+
+
+def run_delta_rule(
+    op: Op, q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale, cu_seqlens_cpu, backend, per_channel_decay: bool
+) -> Tensor:
+    """A public delta-rule function's body: check the inputs, default the scale to ``K ** -0.5``, run ``op``."""
+    check_delta_rule_inputs(q, k, v, g, beta, cu_seqlens, per_channel_decay)
+    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    o, _ = op(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, bool(use_qk_l2norm), scale, backend)
+    return o

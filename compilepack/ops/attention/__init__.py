@@ -32,16 +32,8 @@ __all__ = ["NO_WINDOW", "attention_naive", "varlen_attention"]
 
 
 def varlen_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_seqlens: Tensor,
-    max_seqlen: int,
-    causal: bool = True,
-    scale: float | None = None,
-    window: int | None = None,
-    *,
-    cu_seqlens_cpu: Tensor | None = None,
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, causal: bool = True,
+    scale: float | None = None, window: int | None = None, *, cu_seqlens_cpu: Tensor | None = None,
     backend: str = backends.REFERENCE,
 ) -> Tensor:
     """Attention of every packed document with itself only.

@@ -12,8 +12,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from ... import backends
-from .._chunked import check_delta_rule_inputs
-from .._scaffold import define_op
+from .._chunked import define_delta_rule_op, run_delta_rule
 from . import fla, reference
 from .naive import gated_delta_rule_naive
 
@@ -54,23 +53,9 @@ def gated_delta_rule_varlen(
     Returns:
         o: ``[B, T, HV, V]`` in q's dtype (the reference computes in fp32, or fp64 for fp64 inputs).
     """
-    check_delta_rule_inputs(q, k, v, g, beta, cu_seqlens, per_channel_decay=False)
-    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-    o, _ = OP(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, bool(use_qk_l2norm), scale, backend)
-    return o
+    return run_delta_rule(
+        OP, q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale, cu_seqlens_cpu, backend, per_channel_decay=False
+    )
 
 
-def _signature(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor, cu_seqlens_cpu: Tensor | None,
-    use_qk_l2norm: bool, scale: float, backend: str,
-): ...
-
-
-OP = define_op(
-    "compilepack::gated_delta_rule_varlen",
-    signature=_signature,
-    differentiable=("q", "k", "v", "g", "beta"),
-    reference=reference.PATH,
-    kernels={"fla": fla.PATH},
-)
-
+OP = define_delta_rule_op("compilepack::gated_delta_rule_varlen", reference.PATH, fla.PATH)

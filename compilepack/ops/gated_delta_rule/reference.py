@@ -17,19 +17,9 @@ keep a size-1 G axis, so ``q k^T`` and ``k k^T`` are computed once per q/k head.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from .._chunked import (
-    compute_dtype,
-    from_chunks,
-    l2norm,
-    l2norm_backward,
-    segmented_cumsum,
-    segmented_cumsum_backward,
-    to_chunks,
-)
-from .._common import seq_idx_from_cu_seqlens
+from .._chunked import ChunkedInputs, fake_chunk_states, segmented_cumsum, segmented_cumsum_backward
 from .._scaffold import Path
 
 # The chunk: exact for any value. Its [C, C] pair tensors cost T * C per op and the backward's elementwise passes
@@ -39,7 +29,7 @@ from .._scaffold import Path
 CHUNK = 32
 
 
-class _Chunks:
+class _Chunks(ChunkedInputs):
     """Everything chunk-parallel (no recurrence), computed once in the forward and recomputed in the backward.
 
     Per chunk, with gamma the in-chunk cumulative log decay of each token's own document and masks from the
@@ -52,31 +42,12 @@ class _Chunks:
     """
 
     def __init__(self, q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale):
-        B, T, H, K = q.shape
-        HV, V = v.shape[2:]
-        dtype = compute_dtype(q)
-        self.total, self.n_chunks, self.H, self.G = B * T, (B * T + CHUNK - 1) // CHUNK, H, HV // H
-        q_TK, self.q_rstd = l2norm(q.reshape(B * T, H, K).to(dtype), use_qk_l2norm)
-        k_TK, self.k_rstd = l2norm(k.reshape(B * T, H, K).to(dtype), use_qk_l2norm)
-        self.q_unit, self.k_unit = q_TK, k_TK  # normalised, unscaled: the l2norm backward needs them
-        nc = self.n_chunks
-        self.q = to_chunks(q_TK * scale, nc, CHUNK).unsqueeze(2)  # [NC, H, 1, C, K]
-        self.k = to_chunks(k_TK, nc, CHUNK).unsqueeze(2)
-        self.v = to_chunks(v.reshape(B * T, H, self.G, V).to(dtype), nc, CHUNK)  # [NC, H, G, C, V]
-        self.beta = to_chunks(beta.reshape(B * T, H, self.G, 1).to(dtype), nc, CHUNK).squeeze(-1)  # [NC, H, G, C]
-        self._masks(cu_seqlens)
-        g_chunks = to_chunks(g.reshape(B * T, H, self.G, 1).to(dtype), nc, CHUNK).squeeze(-1)
-        self.gamma = segmented_cumsum(g_chunks, self.same_doc)
+        super().__init__(q, k, v, beta, cu_seqlens, use_qk_l2norm, scale, CHUNK)
+        self.beta = self.beta.squeeze(-1)  # [NC, H, G, C]
+        self.reads_state = self.reads_state_NC[:, None, None, :]  # [NC, 1, 1, C]: broadcasts over H, G
+        self.in_last_doc = self.in_last_doc_NC[:, None, None, :]
+        self.gamma = segmented_cumsum(self.chunked(g[..., None]).squeeze(-1), self.same_doc)  # [NC, H, G, C]
         self._intra()
-
-    def _masks(self, cu_seqlens: Tensor) -> None:
-        # padding tokens past cu_seqlens[-1] get their own document id, so they never touch real tokens
-        doc = seq_idx_from_cu_seqlens(cu_seqlens, self.n_chunks * CHUNK).view(self.n_chunks, CHUNK)
-        prev_last = F.pad(doc[:-1, -1], (1, 0), value=-1)  # document of the token before each chunk
-        causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=doc.device).tril()
-        self.same_doc = (doc[:, :, None] == doc[:, None, :]) & causal  # [NC, C, C] -> broadcasts over H, G
-        self.reads_state = (doc == prev_last[:, None])[:, None, None, :]  # [NC, 1, 1, C]
-        self.in_last_doc = (doc == doc[:, -1:])[:, None, None, :]
 
     def _intra(self) -> None:
         gamma, gamma_last = self.gamma, self.gamma[..., -1:]
@@ -104,18 +75,14 @@ def forward(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
     states = _chunk_start_states(c.u, c.w, c.k_out, c.carry)
     v_new = c.u - c.w @ states
     o = c.qe @ states + c.attn @ v_new  # [NC, H, G, C, V]
-    o = from_chunks(o.flatten(1, 2), c.total).reshape(v.shape).to(q.dtype)
+    o = c.tokens(o).reshape(v.shape).to(q.dtype)
     # flat, so the chunk count is never a dimension of its own: the compiler specialises a size-1 dimension,
     # which would cost one recompile for every batch of at most one chunk
     return o, [states.view(-1)]
 
 
 def fake(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
-    B, T, H, K = q.shape
-    HV, V = v.shape[2:]
-    n_chunks = (B * T + CHUNK - 1) // CHUNK
-    states = q.new_empty(n_chunks * HV * K * V, dtype=compute_dtype(q))  # the state at every chunk start, flat
-    return v.new_empty(v.shape, dtype=q.dtype), [states]
+    return fake_chunk_states(q, v, CHUNK)
 
 
 def _chunk_start_states(u: Tensor, w: Tensor, k_out: Tensor, carry: Tensor) -> Tensor:
@@ -134,7 +101,7 @@ def backward(do, o, saved, needs_grad, q, k, v, g, beta, cu_seqlens, cu_seqlens_
     (flat_states,) = saved
     c = _Chunks(q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale)
     states = flat_states.view(*c.u.shape[:3], c.w.shape[-1], c.u.shape[-1])  # [NC, H, G, K, V]
-    do_c = to_chunks(do.reshape(c.total, c.H, c.G, -1).to(c.v.dtype), c.n_chunks, CHUNK)  # [NC, H, G, C, V]
+    do_c = c.chunked(do)  # [NC, H, G, C, V]
     v_new = c.u - c.w @ states
     d_states_end = _chunk_end_state_grads(do_c, c)  # dL/dS' for every chunk
     d_v_new = c.attn.transpose(-1, -2) @ do_c + c.k_out @ d_states_end
@@ -172,15 +139,9 @@ def backward(do, o, saved, needs_grad, q, k, v, g, beta, cu_seqlens, cu_seqlens_
     d_v = d_bv * c.beta[..., None]
     d_g = segmented_cumsum_backward(d_gamma, c.same_doc)  # gamma is a per-document cumsum of g within the chunk
 
-    d_q = l2norm_backward(from_chunks(d_q.squeeze(2), c.total) * scale, c.q_unit, c.q_rstd)
-    d_k = l2norm_backward(from_chunks(d_k.squeeze(2), c.total), c.k_unit, c.k_rstd)
-    return (
-        d_q.reshape(q.shape),
-        d_k.reshape(k.shape),
-        from_chunks(d_v.flatten(1, 2), c.total).reshape(v.shape),
-        from_chunks(d_g.flatten(1, 2)[..., None], c.total).reshape(g.shape),
-        from_chunks(d_beta.flatten(1, 2)[..., None], c.total).reshape(beta.shape),
-    )
+    d_q, d_k = c.qk_grads(d_q, d_k, scale)
+    grads = (d_q, d_k, c.tokens(d_v), c.tokens(d_g[..., None]), c.tokens(d_beta[..., None]))
+    return tuple(d.reshape(x.shape) for d, x in zip(grads, (q, k, v, g, beta)))
 
 
 def _chunk_end_state_grads(do_c: Tensor, c: _Chunks) -> Tensor:

@@ -16,8 +16,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from ... import backends
-from .._chunked import check_delta_rule_inputs
-from .._scaffold import define_op
+from .._chunked import define_delta_rule_op, run_delta_rule
 from . import fla, reference
 from .naive import kimi_delta_attention_naive
 
@@ -46,28 +45,15 @@ def kimi_delta_attention_varlen(
         scale: query scale; ``K ** -0.5`` when None (the only value transformers uses).
         cu_seqlens_cpu: the same boundaries on the host, if at hand: kernels that need host-side sizes read them
             there instead of copying ``cu_seqlens`` back from the device.
-        backend: the CUDA library used when the tensors are on CUDA (``"fla"``) or ``"reference"``.
+        backend: the CUDA library used when the tensors are on CUDA (``"fla"``; key heads over 256, which fla's
+            kernels refuse, run the reference) or ``"reference"``.
 
     Returns:
         o: ``[B, T, HV, V]`` in q's dtype (the reference computes in fp32, or fp64 for fp64 inputs).
     """
-    check_delta_rule_inputs(q, k, v, g, beta, cu_seqlens, per_channel_decay=True)
-    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-    o, _ = OP(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, bool(use_qk_l2norm), scale, backend)
-    return o
+    return run_delta_rule(
+        OP, q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale, cu_seqlens_cpu, backend, per_channel_decay=True
+    )
 
 
-def _signature(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor, cu_seqlens_cpu: Tensor | None,
-    use_qk_l2norm: bool, scale: float, backend: str,
-): ...
-
-
-OP = define_op(
-    "compilepack::kimi_delta_attention_varlen",
-    signature=_signature,
-    differentiable=("q", "k", "v", "g", "beta"),
-    reference=reference.PATH,
-    kernels={"fla": fla.PATH},
-    kernel_applies=fla.applies,
-)
+OP = define_delta_rule_op("compilepack::kimi_delta_attention_varlen", reference.PATH, fla.PATH, fla.applies)

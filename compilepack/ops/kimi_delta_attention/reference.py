@@ -35,16 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._chunked import (
-    compute_dtype,
-    from_chunks,
-    l2norm,
-    l2norm_backward,
-    segmented_cumsum,
-    segmented_cumsum_backward,
-    to_chunks,
-)
-from .._common import seq_idx_from_cu_seqlens
+from .._chunked import ChunkedInputs, fake_chunk_states, segmented_cumsum, segmented_cumsum_backward
 from .._scaffold import Path
 
 # Chunk and sub-chunk (exact for any values). Per head and token, the sub-chunk pair tensors cost SUB * K, the
@@ -72,7 +63,7 @@ def _diagonal_blocks(pairs: Tensor) -> Tensor:
     return _blocks(_blocks(pairs, -1), -3).diagonal(0, -4, -2).movedim(-1, -3)
 
 
-class _Chunks:
+class _Chunks(ChunkedInputs):
     """Everything chunk-parallel (no recurrence), computed once in the forward and recomputed in the backward.
 
     With masks from each token's document: ``D[i, j, c] = exp(G_ic - G_jc)`` for same-document ``j <= i`` (0
@@ -90,39 +81,18 @@ class _Chunks:
     """
 
     def __init__(self, q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale):
-        H, K = q.shape[2:]
-        self.total, self.H, self.G = q.shape[0] * q.shape[1], H, v.shape[2] // H
-        self.n_chunks = -(-self.total // CHUNK)
-        self.dtype = compute_dtype(q)
-        # normalised, unscaled q and k: the l2norm backward needs them
-        self.q_unit, self.q_rstd = l2norm(q.reshape(self.total, H, K).to(self.dtype), use_qk_l2norm)
-        self.k_unit, self.k_rstd = l2norm(k.reshape(self.total, H, K).to(self.dtype), use_qk_l2norm)
-        self.q, self.k = self.chunked(self.q_unit * scale), self.chunked(self.k_unit)  # [NC, H, 1, C, K]
-        self.v, self.g = self.chunked(v), self.chunked(g)  # [NC, H, G, C, V], [NC, H, G, C, K]
-        self.beta = self.chunked(beta[..., None])  # [NC, H, G, C, 1]
-        self._masks(cu_seqlens)
+        super().__init__(q, k, v, beta, cu_seqlens, use_qk_l2norm, scale, CHUNK)  # q, k, v, beta: [NC, H, G, C, D]
+        self.g = self.chunked(g)  # [NC, H, G, C, K]
+        self._masks()
         self.gamma = segmented_cumsum(self.g, self.same_doc, tokens_dim=-2)  # restarts at document starts
         self._decays()
         self._pairs()
         self._solve()
 
-    def chunked(self, x: Tensor) -> Tensor:
-        """Tokens ``[B, T, H * (G or 1), D]`` (or ``[B*T, H, D]``) -> ``[NC, H, G or 1, C, D]`` in the compute dtype."""
-        return to_chunks(x.reshape(self.total, self.H, -1, x.shape[-1]).to(self.dtype), self.n_chunks, CHUNK)
-
-    def tokens(self, x: Tensor) -> Tensor:
-        """``[NC, H, G, C, D]`` -> ``[B*T, H*G, D]``, the inverse of :meth:`chunked`."""
-        return from_chunks(x.flatten(1, 2), self.total)
-
-    def _masks(self, cu_seqlens: Tensor) -> None:
-        # padding tokens past cu_seqlens[-1] get their own document id, so they never touch real tokens
-        doc = seq_idx_from_cu_seqlens(cu_seqlens, self.n_chunks * CHUNK).view(self.n_chunks, CHUNK)
-        position = torch.arange(CHUNK, device=doc.device)
-        self.same_doc = (doc[:, :, None] == doc[:, None, :]) & (position[:, None] >= position)  # [NC, C, C]
+    def _masks(self) -> None:
+        doc = self.doc
         per_token = lambda mask: mask[:, None, None, :, None]  # noqa: E731  [NC, C] -> [NC, 1, 1, C, 1]
-        previous = F.pad(doc[:-1, -1:], (0, 0, 1, 0), value=-1)  # the document of the token before each chunk
-        self.reads_state = per_token(doc == previous)
-        self.in_last_doc = per_token(doc == doc[:, -1:])
+        self.reads_state, self.in_last_doc = per_token(self.reads_state_NC), per_token(self.in_last_doc_NC)
         # pairs across sub-chunks go through sub-chunk ends: each factor needs its two tokens in one document
         end_doc = doc[:, SUB - 1 :: SUB]  # [NC, M]: the document of each sub-chunk's last token
         ref_doc = F.pad(end_doc[:, :-1], (1, 0), value=-1)  # that of the end before sub-chunk b (none for b = 0)
@@ -184,10 +154,7 @@ def forward(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
 
 
 def fake(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
-    """What :func:`forward` returns: o in q's dtype; the chunk-start states in the compute dtype, flat."""
-    n_chunks = -(-q.shape[0] * q.shape[1] // CHUNK)
-    states = q.new_empty(n_chunks * v.shape[2] * q.shape[3] * v.shape[3], dtype=compute_dtype(q))
-    return v.new_empty(v.shape, dtype=q.dtype), [states]
+    return fake_chunk_states(q, v, CHUNK)
 
 
 def _chunk_start_states(c: _Chunks) -> tuple[Tensor, Tensor]:
@@ -240,8 +207,7 @@ def backward(do, o, saved, needs_grad, q, k, v, g, beta, cu_seqlens, cu_seqlens_
     d_gamma[..., -1:, :] += d_k_out_x_k_out.sum(-2, keepdim=True) + d_carry * c.carry
     d_g = segmented_cumsum_backward(d_gamma, c.same_doc, tokens_dim=-2)  # G is a per-document cumsum of g
 
-    d_q = l2norm_backward(c.tokens(d_q.sum(2, keepdim=True)) * scale, c.q_unit, c.q_rstd)
-    d_k = l2norm_backward(c.tokens(d_k.sum(2, keepdim=True)), c.k_unit, c.k_rstd)
+    d_q, d_k = c.qk_grads(d_q.sum(2, keepdim=True), d_k.sum(2, keepdim=True), scale)
     grads = (d_q, d_k, c.tokens(d_bv * c.beta), c.tokens(d_g), c.tokens(d_beta))
     return tuple(d.reshape(x.shape) for d, x in zip(grads, (q, k, v, g, beta)))
 

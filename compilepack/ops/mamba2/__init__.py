@@ -25,19 +25,9 @@ __all__ = ["mamba2_chunk_scan_naive", "mamba2_chunk_scan_varlen"]
 
 
 def mamba2_chunk_scan_varlen(
-    x: Tensor,
-    dt: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    chunk_size: int,
-    D: Tensor | None = None,
-    dt_bias: Tensor | None = None,
-    dt_softplus: bool = False,
-    dt_limit: tuple[float, float] = (0.0, float("inf")),
-    *,
-    seq_idx: Tensor,
-    backend: str = backends.REFERENCE,
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int, D: Tensor | None = None,
+    dt_bias: Tensor | None = None, dt_softplus: bool = False, dt_limit: tuple[float, float] = (0.0, float("inf")),
+    *, seq_idx: Tensor, backend: str = backends.REFERENCE,
 ) -> Tensor:
     """Mamba2 SSD scan over packed documents; the state is zero at every document start.
 

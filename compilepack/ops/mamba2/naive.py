@@ -14,17 +14,8 @@ from torch import Tensor
 
 
 def mamba2_chunk_scan_naive(
-    x: Tensor,
-    dt: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    D: Tensor | None = None,
-    dt_bias: Tensor | None = None,
-    dt_softplus: bool = False,
-    dt_limit: tuple[float, float] = (0.0, float("inf")),
-    *,
-    seq_idx: Tensor,
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None, dt_bias: Tensor | None = None,
+    dt_softplus: bool = False, dt_limit: tuple[float, float] = (0.0, float("inf")), *, seq_idx: Tensor,
 ) -> Tensor:
     """Same arguments and result as :func:`compilepack.ops.mamba2.mamba2_chunk_scan_varlen` (no chunk size, no
     backend)."""

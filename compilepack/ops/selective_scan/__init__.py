@@ -40,17 +40,8 @@ __all__ = ["selective_scan_naive", "selective_scan_varlen"]
 
 
 def selective_scan_varlen(
-    u: Tensor,
-    delta: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    D: Tensor | None = None,
-    z: Tensor | None = None,
-    delta_bias: Tensor | None = None,
-    delta_softplus: bool = False,
-    *,
-    seq_idx: Tensor,
+    u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None, z: Tensor | None = None,
+    delta_bias: Tensor | None = None, delta_softplus: bool = False, *, seq_idx: Tensor,
     backend: str = backends.REFERENCE,
 ) -> Tensor:
     """Mamba1 selective scan over packed documents; the state is zero at every document start.

@@ -14,17 +14,8 @@ from torch import Tensor
 
 
 def selective_scan_naive(
-    u: Tensor,
-    delta: Tensor,
-    A: Tensor,
-    B: Tensor,
-    C: Tensor,
-    D: Tensor | None = None,
-    z: Tensor | None = None,
-    delta_bias: Tensor | None = None,
-    delta_softplus: bool = False,
-    *,
-    seq_idx: Tensor,
+    u: Tensor, delta: Tensor, A: Tensor, B: Tensor, C: Tensor, D: Tensor | None = None, z: Tensor | None = None,
+    delta_bias: Tensor | None = None, delta_softplus: bool = False, *, seq_idx: Tensor,
 ) -> Tensor:
     """Same arguments and result as :func:`compilepack.ops.selective_scan.selective_scan_varlen` (no backend),
     in the inputs' dtype."""
