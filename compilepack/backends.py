@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import importlib
 import importlib.util
+import sys
 from types import ModuleType
 
 REFERENCE = "reference"
@@ -94,7 +95,40 @@ def resolve(backend: str | dict[str, str] | Backends = "auto") -> Backends:
 
 @functools.cache
 def load(module_name: str) -> ModuleType:
-    """Import a kernel module on first use (never at compilepack import time)."""
+    """Import a kernel module on first use (never at compilepack import time).
+
+    mamba-ssm installed without its CUDA extensions (``MAMBA_SKIP_CUDA_BUILD=TRUE``: machines that cannot compile
+    them) has usable Triton kernels under ``mamba_ssm.ops.triton``, but its package ``__init__`` imports the
+    selective-scan extension and fails. Such a module is then imported without running the ``__init__`` files of
+    its parent packages (see :func:`_import_past_package_inits`).
+    """
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        top = module_name.split(".")[0]
+        if top != "mamba_ssm" or error.name is None or error.name.split(".")[0] == top:
+            raise
+        return _import_past_package_inits(module_name)
+
+
+def _import_past_package_inits(module_name: str) -> ModuleType:
+    """Import ``module_name`` after registering its parent packages as empty packages (their ``__path__`` only).
+
+    The parents' ``__init__`` code never runs: ``import mamba_ssm`` then gives that empty package rather than
+    failing, and ``mamba_ssm.Mamba`` and the other names its ``__init__`` would import are absent.
+    """
+    parts = module_name.split(".")
+    for depth in range(1, len(parts)):
+        name = ".".join(parts[:depth])
+        if name in sys.modules:
+            continue
+        spec = importlib.util.find_spec(name)  # its parent, already registered, is not executed again
+        if spec is None or spec.submodule_search_locations is None:
+            raise ImportError(f"cannot import {module_name}: {name} is not a package")
+        package = importlib.util.module_from_spec(spec)  # created, not executed
+        sys.modules[name] = package
+        if depth > 1:
+            setattr(sys.modules[".".join(parts[: depth - 1])], parts[depth - 1], package)
     return importlib.import_module(module_name)
 
 

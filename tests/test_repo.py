@@ -19,7 +19,7 @@ def test_ci_runs_exactly_the_readme_test_command():
     readme_commands = re.findall(r"```bash\n(.*?)\n```", (ROOT / "README.md").read_text(), flags=re.S)
     test_command = readme_commands[1].split("&&")[-1].strip()
     ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
-    assert ci_lines[-1] == test_command
+    assert test_command in ci_lines  # in the fresh venv; the kernel stage follows it
     assert "python -m compilepack bench" in readme_commands[0]
 
 

@@ -31,9 +31,10 @@ class FakeFlashAttn(types.SimpleNamespace):
 
     @staticmethod
     def reference_inputs(q, k, v, cu_seqlens, max_seqlen, causal, window_size_left, window_size_right):
-        """flash-attn's arguments as the reference path's inputs (its window is (left, 0) causal, (w, w) not)."""
+        """flash-attn's arguments as the reference path's inputs (its window is (left, 0) causal, (w, w) not). The
+        library reads device boundaries on the device; the stand-in computes with the host's (a plain tensor)."""
         assert window_size_right == (0 if causal else window_size_left)
-        return q, k, v, cu_seqlens, None, max_seqlen, causal
+        return q, k, v, cu_seqlens, cu_seqlens.as_subclass(torch.Tensor), max_seqlen, causal
 
     def _flash_attn_varlen_forward(
         self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,

@@ -57,7 +57,8 @@ class FakeTorchVarlen(types.SimpleNamespace):
         assert enable_gqa == (query.shape[1] != key.shape[1]) and seqused_k is None and block_table is None
         assert num_splits is None and type(scale) is float
         causal, window_left = self.reference_window(is_causal, window_size)
-        out, (lse,) = reference.forward(query, key, value, cu_seq_q, None, max_q, causal, scale, window_left)
+        out, (lse,) = reference.forward(query, key, value, cu_seq_q, cu_seq_q.as_subclass(torch.Tensor), max_q, causal, scale,
+                                         window_left)
         return out, lse.float(), torch.zeros(2, dtype=torch.uint64)
 
     def _varlen_attn_backward(
@@ -71,5 +72,6 @@ class FakeTorchVarlen(types.SimpleNamespace):
         causal, window_left = self.reference_window(is_causal, window_size)
         saved = [lse.to(torch.promote_types(query.dtype, torch.float32))]
         return tuple(reference.backward(
-            grad_out, out, saved, [True] * 3, query, key, value, cu_seq_q, None, max_q, causal, scale, window_left
+            grad_out, out, saved, [True] * 3, query, key, value, cu_seq_q, cu_seq_q.as_subclass(torch.Tensor), max_q,
+            causal, scale, window_left
         ))
