@@ -7,9 +7,11 @@
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
 #     && PYTHONPATH=/tmp/site:$PWD python3 benchmarks/gpu_check.py --out $OUT/gpu_check.json
 #
-# Not carried: flash-attn, mamba-ssm and causal-conv1d publish no prebuilt wheels on PyPI (sdists that
-# compile CUDA code for tens of minutes), so on the device attention uses torch's varlen_attn and the conv and
-# Mamba2 ops their pure-torch references; fla is pure Python + Triton and is carried.
+# Not carried: flash-attn and causal-conv1d publish no prebuilt wheels on PyPI (sdists that compile CUDA code for
+# tens of minutes), so on the device attention uses torch's varlen_attn and the conv op its pure-torch reference.
+# fla is pure Python + Triton and is carried; mamba-ssm is built here without its CUDA extensions (a pure-Python
+# wheel): its Triton SSD kernels are what the Mamba2 op uses, reached past its package __init__
+# (compilepack.backends.load), so the Mamba2 scan runs mamba-ssm's kernels on the device.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl
@@ -19,5 +21,7 @@ platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --p
 python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" \
   -d .whl \
   "transformers==5.24.0" "huggingface-hub>=1.31,<2" "tokenizers>=0.23.1,<0.24" "safetensors>=0.8" "regex>=2025.10.22" \
-  "flash-linear-attention==0.6.0" "fla-core==0.6.0" "typer" "shellingham" "rich" "markdown-it-py" "mdurl"
+  "flash-linear-attention==0.6.0" "fla-core==0.6.0" "einops" "typer" "shellingham" "rich" "markdown-it-py" "mdurl"
+MAMBA_FORCE_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE \
+  python3 -m pip wheel --quiet --no-deps --no-build-isolation "mamba-ssm==2.3.2.post1" -w .whl
 ls -la .whl
