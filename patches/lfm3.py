@@ -9,5 +9,6 @@ from compilepack.patching import ATTENTION, CAUSAL_CONV1D, Family, register
 
 register(Family(
     "lfm3", "transformers.models.lfm3.modeling_lfm3", decoder="Lfm3Model",
+    transformers=">=5.23",  # LFM3 first shipped in transformers 5.23
     layers={"Lfm3Attention": (ATTENTION,), "Lfm3ShortConv": (CAUSAL_CONV1D,)},
 ))

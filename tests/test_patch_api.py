@@ -154,11 +154,19 @@ def test_unpatch_refuses_a_decorated_forward():
 
 def test_incompatible_transformers_is_named():
     missing_class = Family("x", LLAMA.modeling, "LlamaModel", {"LlamaGone": (ATTENTION,)})
-    with pytest.raises(IncompatibleTransformersError, match=r"LlamaGone does not exist.*transformers>=5.24,<5.25"):
+    with pytest.raises(IncompatibleTransformersError, match=r"LlamaGone does not exist.*compilepack supports x on transformers>=5.18,<5.25"):
         missing_class.forwards(Backends())
     not_calling = Family("x", LLAMA.modeling, "LlamaModel", {"LlamaMLP": (ATTENTION,)})
     with pytest.raises(IncompatibleTransformersError, match="LlamaMLP.forward no longer loads the global ALL_ATTENTION_FUNCTIONS"):
         not_calling.forwards(Backends())
+
+
+def test_a_family_outside_its_releases_is_refused_naming_them():
+    future = Family("future", LLAMA.modeling, "LlamaModel", {"LlamaAttention": (ATTENTION,)}, transformers=">=99")
+    assert not future.available
+    with pytest.raises(IncompatibleTransformersError, match=r"cannot patch future: this family is not supported in "
+                       r"transformers 5\.\d+\.\d+\. compilepack supports future on transformers.*>=99"):
+        future.forwards(Backends())
 
 
 def test_packed_batch_with_attention_mask_or_cache_is_refused_in_the_model():

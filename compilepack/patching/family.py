@@ -18,6 +18,8 @@ import types
 from collections.abc import Callable, Mapping
 
 import transformers
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
 
 from ..backends import Backends
 from ..errors import IncompatibleTransformersError, UnsupportedModelError
@@ -25,7 +27,9 @@ from . import replacements as R
 from .batch import packed_decoder_forward
 from .rebind import global_loads, innermost, install, with_globals
 
-TESTED_TRANSFORMERS = ">=5.24,<5.25"
+# The transformers releases compilepack is tested with (pyproject's dependency says the same; CI runs the family
+# tests on the oldest and the newest). A family may narrow it (``Family.transformers``).
+TESTED_TRANSFORMERS = ">=5.18,<5.25"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # identity hash: families are registry singletons
@@ -47,6 +51,8 @@ class Family:
             ``"mamba_selective_scan"``), that must also receive the batch's boundary kwargs (taken from the
             forward's own ``**kwargs``): for stacks that drop ``**kwargs`` between the model and a mixer or on the
             way from a mixer to its kernel. Never name a call that already passes ``**kwargs``.
+        transformers: the transformers releases this family is tested on, when narrower than compilepack's
+            (``">=5.23"``: the model first shipped in 5.23); patch() refuses others.
     """
 
     name: str
@@ -56,13 +62,27 @@ class Family:
     model_types: tuple[str, ...] = ()
     entries: tuple[str, ...] = ()
     boundary_calls: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    transformers: str = ""
 
     @property
     def served_model_types(self) -> tuple[str, ...]:
         return self.model_types or (self.name,)
 
+    @property
+    def supported_transformers(self) -> str:
+        """The transformers releases this family is tested on, as a specifier (``">=5.18,<5.25"``)."""
+        specifiers = SpecifierSet(TESTED_TRANSFORMERS) & SpecifierSet(self.transformers)
+        return ",".join(sorted(map(str, specifiers), key=lambda s: (s.startswith("<"), s)))  # lower bounds first
+
+    @property
+    def available(self) -> bool:
+        """Whether the installed transformers is one this family is tested on."""
+        return SpecifierSet(self.supported_transformers).contains(Version(transformers.__version__), prereleases=True)
+
     def forwards(self, backends: Backends) -> dict[type, Callable]:
         """class -> the patched forward for it, checking the installed transformers first."""
+        if not self.available:
+            raise _incompatible(self, "this family is not supported")
         stock = _import_modeling(self)
         classes = {name: _class(self, stock, name) for name in self._class_names()}
         return _patched_forwards(self, backends, tuple((name, cls, cls.forward) for name, cls in classes.items()))
@@ -171,7 +191,7 @@ def _build(family: Family, stock: types.ModuleType, replacement: R.Replacement, 
         raise _incompatible(family, f"{stock.__name__}.{replacement.global_name} does not exist")
     if replacement.expected_params:
         params = set(inspect.signature(original).parameters)
-        absent = [p for p in replacement.expected_params if p not in params]
+        absent = [p for p in replacement.expected_params if not params & set((p,) if isinstance(p, str) else p)]
         if absent:
             raise _incompatible(family, f"{replacement.global_name}() lost parameters {absent}")
     return replacement.make(original, backends)
@@ -201,6 +221,7 @@ def _parameter_names(forward: Callable) -> tuple[str, ...]:
 
 def _incompatible(family: Family, what: str) -> IncompatibleTransformersError:
     return IncompatibleTransformersError(
-        f"cannot patch {family.name}: {what} in transformers {transformers.__version__}. compilepack's patches are "
-        f"tested with transformers{TESTED_TRANSFORMERS}; install a version in that range."
+        f"cannot patch {family.name}: {what} in transformers {transformers.__version__}. compilepack supports "
+        f"{family.name} on transformers{family.supported_transformers} (docs/models.md lists every family's "
+        "releases); install a release in that range."
     )

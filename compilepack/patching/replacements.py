@@ -28,7 +28,9 @@ class Replacement:
 
     global_name: str
     make: Callable[[object, Backends], object]
-    expected_params: tuple[str, ...] = ()  # the stock function must accept these (empty: not a function)
+    # the stock function must accept these; an entry may be a tuple of names a release may use instead of each
+    # other (empty: not a function)
+    expected_params: tuple[str | tuple[str, ...], ...] = ()
 
 
 # ------------------------------------------------------------------------------------------------ attention
@@ -128,7 +130,8 @@ def _make_mask_creator(stock: Callable, backends: Backends) -> Callable:
     return create_mask
 
 
-_MASK_PARAMS = ("config", "inputs_embeds", "attention_mask", "cache", "position_ids")
+# the cache argument is ``past_key_values`` up to transformers 5.23 and ``cache`` from 5.24; passed positionally
+_MASK_PARAMS = ("config", "inputs_embeds", "attention_mask", ("cache", "past_key_values"), "position_ids")
 CAUSAL_MASK = Replacement("create_causal_mask", _make_mask_creator, _MASK_PARAMS)
 SLIDING_WINDOW_MASK = Replacement("create_sliding_window_causal_mask", _make_mask_creator, _MASK_PARAMS)
 MASK_CREATORS = (CAUSAL_MASK, SLIDING_WINDOW_MASK)

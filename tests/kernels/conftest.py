@@ -27,7 +27,6 @@ import os
 import types
 
 import pytest
-
 import torch
 
 try:

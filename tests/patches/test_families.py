@@ -10,8 +10,7 @@ import torch
 import torch._dynamo.utils
 
 import compilepack
-from compilepack.patching import families
-from tests.families import variants
+from tests.families import available_families, variants
 from tests.models import (
     build_pair,
     hf_batch,
@@ -30,7 +29,7 @@ HYBRID_TOLERANCE = 1e-4
 
 CASES = [
     pytest.param(family, variant, id=f"{family.name}-{variant}")
-    for family in families()
+    for family in available_families()
     for variant in variants(family)
 ]
 

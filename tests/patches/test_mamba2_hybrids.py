@@ -6,16 +6,17 @@ import pytest
 
 import compilepack.ops.mamba2 as mamba2_ops
 from compilepack.backends import Backends
-from compilepack.patching import MAMBA2_SPLIT_CONV1D_SCAN, families, patch_state
+from compilepack.patching import MAMBA2_SPLIT_CONV1D_SCAN, patch_state
 from compilepack.patching.family import _key
 from compilepack.patching.rebind import private_name
+from tests.families import available_families
 from tests.models import build_pair, hf_batch, random_docs
 
 LENGTHS = [70, 1, 23, 5, 1, 40]
 FUSED = MAMBA2_SPLIT_CONV1D_SCAN.global_name
 MAMBA2_FAMILIES = [
     pytest.param(family, id=family.name)
-    for family in families()
+    for family in available_families()
     if any(MAMBA2_SPLIT_CONV1D_SCAN in needed for needed in family.layers.values())
 ]
 

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 import compilepack
-from compilepack.patching import families, family_named
-from tests.families import build_tiny
+from compilepack.patching import family_named
+from tests.families import available_families, build_tiny
 from tests.models import hf_batch, random_docs, relative_grad_error, summed_token_loss
 
 MIXERS = {"mamba": "MambaMixer", "falcon_mamba": "FalconMambaMixer", "jamba": "JambaMambaMixer"}
-THREADED = [pytest.param(f, id=f.name) for f in families() if f.boundary_calls]
+THREADED = [pytest.param(f, id=f.name) for f in available_families() if f.boundary_calls]
 LENGTHS = [70, 1, 23, 5]
 
 
