@@ -17,6 +17,7 @@ from .errors import (
     UnsupportedModelError,
 )
 from .explain import CompileReport, ExplainReport, count_compiles, explain
+from .integrations import to_device
 from .patching import families, is_patched, patch, patched, supported_model_types, unpatch
 from .validation import checked, validate
 
@@ -42,6 +43,7 @@ __all__ = [
     "patch",
     "patched",
     "supported_model_types",
+    "to_device",
     "unpatch",
     "validate",
 ]

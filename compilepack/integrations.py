@@ -1,14 +1,17 @@
-"""Host-side adapters for collators that emit packed rows with ``position_ids`` only.
+"""Host-side adapters: boundaries for collators that emit packed rows with ``position_ids`` only
+(:func:`with_boundaries`), and moving a batch to the device while its boundaries stay on the host (:func:`to_device`).
 
 ``DataCollatorWithFlattening()`` with its defaults, and older TRL padding-free collators, mark documents only by
 restarting ``position_ids``. A patched model never reads boundaries off ``position_ids`` (that would be a
-data-dependent check inside the graph), so such a batch would run as one long sequence. :func:`with_boundaries`
-adds the HF boundary kwargs on the host, once per batch, and validates the result.
+data-dependent check inside the graph), so it refuses such a batch rather than run it as one long sequence.
+:func:`with_boundaries` adds the HF boundary kwargs on the host, once per batch, and validates the result.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, MutableMapping
+
+import torch
 
 from .boundaries import Boundaries
 from .validation import validate
@@ -49,3 +52,21 @@ def add_boundaries(batch: MutableMapping) -> MutableMapping:
         batch.update({k: v for k, v in boundaries.as_kwargs().items() if k != "position_ids"})
     validate(batch)
     return batch
+
+
+# the keys a patched model moves to the device itself, keeping the host copy for the kernels that need host sizes
+HOST_BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k")
+
+
+def to_device(batch: MutableMapping, device, non_blocking: bool = True) -> dict:
+    """``batch`` with its tensors on ``device``, except the boundaries ``cu_seq_lens_q`` / ``cu_seq_lens_k``.
+
+    A patched model moves the boundaries itself, once per forward, and keeps the host copy for kernels that need
+    host-side sizes (fla's chunk indices), so none of them copies the boundaries back from the device. Moving them
+    with the rest (as HF Trainer does) works too, at the cost of that copy where a kernel needs one.
+    """
+    return {
+        key: value.to(device, non_blocking=non_blocking)
+        if isinstance(value, torch.Tensor) and key not in HOST_BOUNDARY_KEYS else value
+        for key, value in batch.items()
+    }

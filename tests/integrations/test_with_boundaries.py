@@ -10,7 +10,7 @@ import compilepack
 from compilepack.integrations import add_boundaries, with_boundaries
 from compilepack.patching import family_named
 from tests.integrations.common import LOSS_TOLERANCE, per_sample_loss
-from tests.models import build_pair, random_docs
+from tests.models import build_pair, hf_batch, random_docs
 
 LENGTHS = [30, 1, 5, 20, 70]
 
@@ -70,3 +70,12 @@ def test_labels_that_cross_documents_are_refused():
     collate = with_boundaries(DataCollatorWithFlattening(separator_id=5))
     with pytest.raises(compilepack.BoundaryError, match=r"'labels' at document start 30 is 5, expected -100"):
         collate(features())
+
+
+def test_to_device_moves_the_tokens_and_keeps_the_boundaries_on_the_host():
+    batch = hf_batch([[5, 6, 7], [8, 9]])
+    moved = compilepack.to_device(batch, "meta")
+    for key in ("input_ids", "labels", "position_ids", "seq_idx"):
+        assert moved[key].device.type == "meta", key
+    assert moved["cu_seq_lens_q"] is batch["cu_seq_lens_q"] and moved["cu_seq_lens_k"] is batch["cu_seq_lens_k"]
+    assert moved["max_length_q"] == batch["max_length_q"]
