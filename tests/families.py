@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 import transformers
+from packaging.version import Version
 
 from compilepack.patching import Family, families
 
@@ -196,6 +197,16 @@ TINY_BUILDERS = {
     ("qwen3_5", "multimodal"): "Qwen3_5ForConditionalGeneration",
     ("qwen3_5_moe", "multimodal"): "Qwen3_5MoeForConditionalGeneration",
 }
+
+
+# Variants whose tiny config has mixture-of-experts blocks. Before transformers 5.23 their experts run, on CPU,
+# transformers' own grouped_mm fallback, whose backward reads a tensor value (`.item()`) and breaks the graph:
+# stock code outside the mixers compilepack patches (on CUDA, torch's native grouped_mm runs instead).
+MOE_VARIANTS = {
+    ("granitemoehybrid", "moe"), ("jamba", "hybrid_moe"), ("kimi_linear", "moe"), ("lfm2_moe", "moe"),
+    ("nemotron_h", "moe"), ("qwen3_5_moe", "text"), ("qwen3_5_moe", "multimodal"), ("qwen3_next", "moe"),
+}
+GROUPED_MM_FALLBACK_BREAKS = Version(transformers.__version__) < Version("5.23")
 
 
 def available_families() -> list[Family]:

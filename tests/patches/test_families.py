@@ -10,7 +10,7 @@ import torch
 import torch._dynamo.utils
 
 import compilepack
-from tests.families import available_families, variants
+from tests.families import GROUPED_MM_FALLBACK_BREAKS, MOE_VARIANTS, available_families, variants
 from tests.models import (
     build_pair,
     hf_batch,
@@ -99,7 +99,11 @@ def test_packed_gradients_equal_sum_over_documents(pairs, family, variant):
 
 @pytest.mark.parametrize("backward", [False, True], ids=["forward", "forward+backward"])
 @pytest.mark.parametrize("family, variant", CASES)
-def test_one_graph_no_breaks(pairs, family, variant, backward):
+def test_one_graph_no_breaks(pairs, family, variant, backward, request):
+    if backward and GROUPED_MM_FALLBACK_BREAKS and (family.name, variant) in MOE_VARIANTS:
+        request.applymarker(pytest.mark.xfail(strict=True, reason=(
+            "transformers < 5.23: the stock MoE experts' CPU grouped_mm fallback backward calls .item() (a graph "
+            "break outside the patched layers; 1 graph from 5.23, and on CUDA)")))
     _, patched = pairs(family, variant)
     patched.train(backward)
     try:
