@@ -7,6 +7,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from tests.strategies import bounds_of
+
 
 def assert_close(actual: Tensor, expected: Tensor, what: str, tol: float) -> None:
     """``|actual - expected| <= tol * max(1, max |expected|)``: an absolute bound scaled by the reference's size,
@@ -72,3 +74,22 @@ def gradcheck(run: Callable[..., Tensor], inputs: list[Tensor]) -> bool:
     """``torch.autograd.gradcheck`` in float64 over the floating-point inputs (the others held fixed)."""
     inputs = [x.detach().double().requires_grad_() if x.is_floating_point() else x for x in inputs]
     return torch.autograd.gradcheck(run, inputs, eps=1e-6, atol=1e-5, rtol=1e-4, fast_mode=False)
+
+
+def at_least_two_documents(lengths: list[int]) -> list[int]:
+    """``lengths``, with a 7-token document appended to a single one (isolation needs a neighbour)."""
+    return lengths if len(lengths) >= 2 else [*lengths, 7]
+
+
+def assert_packing_isolated(
+    run: Callable[[list[Tensor]], Tensor],
+    make_inputs: Callable[[int], list[Tensor]],
+    lengths: list[int],
+    token_dims: Sequence[int | None],
+    out_token_dim: int,
+) -> None:
+    """:func:`assert_documents_isolated` for the first, a middle and the last document of the packing
+    ``lengths``; ``make_inputs(seed)`` draws the op's inputs (seeds 1 and 2)."""
+    bounds = bounds_of(lengths)
+    for document in {0, len(lengths) // 2, len(lengths) - 1}:
+        assert_documents_isolated(run, make_inputs(1), make_inputs(2), token_dims, out_token_dim, bounds, document)

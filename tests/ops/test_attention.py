@@ -10,7 +10,6 @@ document, over the CPU flash kernel's 512-key blocks: 4.4e-7); boundaries droppe
 
 from __future__ import annotations
 
-import contextlib
 import types
 
 import pytest
@@ -23,12 +22,13 @@ from transformers.masking_utils import sliding_window_causal_mask_function
 
 from compilepack.ops import attention
 from compilepack.ops.attention import NO_WINDOW, attention_naive, varlen_attention
-from tests.compiling import graphs_compiled
+from tests.ops import contract
 from tests.ops.fakes import route_kernels
 from tests.ops.fakes.flash_attn import FakeFlashAttn
 from tests.ops.fakes.torch_varlen import FakeTorchVarlen
-from tests.ops.properties import assert_close, assert_documents_isolated, gradcheck, max_error
-from tests.strategies import bounds_of, cu_seqlens_of, doc_lengths
+from tests.ops.oracle import OpChecks, one_thread, output_and_grads, output_and_random_grads, run_fp64
+from tests.ops.properties import assert_packing_isolated, at_least_two_documents, gradcheck, max_error
+from tests.strategies import cu_seqlens_of, doc_lengths
 
 H, HKV, D = 4, 2, 16  # grouped-query attention (two query heads per key/value head)
 FP32_TOL = 1e-5
@@ -46,15 +46,11 @@ def make_inputs(total: int, seed: int = 0, dtype=torch.float32, heads=(H, HKV), 
 
 def run_op(inputs, cu_seqlens, grad_seed: int = 1, max_seqlen: int | None = None, **kwargs):
     max_seqlen = inputs[0].shape[0] if max_seqlen is None else max_seqlen  # the row length: always an upper bound
-    out = varlen_attention(*inputs, cu_seqlens, max_seqlen, **kwargs)
-    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed), dtype=out.dtype)
-    return out.detach(), list(torch.autograd.grad(out, inputs, grad)), grad
+    return output_and_random_grads(varlen_attention(*inputs, cu_seqlens, max_seqlen, **kwargs), inputs, grad_seed)
 
 
 def run_naive_fp64(inputs, cu_seqlens, grad, **kwargs):
-    inputs64 = [x.detach().double().requires_grad_() for x in inputs]
-    out = attention_naive(*inputs64, cu_seqlens, **kwargs)
-    return out.detach(), list(torch.autograd.grad(out, inputs64, grad.double()))
+    return run_fp64(lambda *x: attention_naive(*x, cu_seqlens, **kwargs), inputs, grad)
 
 
 def run_stock(inputs, grad, causal=True, window=None, rows=1):
@@ -66,13 +62,11 @@ def run_stock(inputs, grad, causal=True, window=None, rows=1):
         position = torch.arange(q.shape[2])
         mask = sliding_window_causal_mask_function(window)(0, 0, position[:, None], position[None, :])[None, None]
     out = sdpa_attention_forward(layer, q, k, v, mask, scaling=q.shape[-1] ** -0.5)[0].flatten(0, 1)
-    return out.detach(), list(torch.autograd.grad(out, inputs, grad))
+    return output_and_grads(out, inputs, grad)
 
 
-def assert_all_close(out, grads, out_ref, grads_ref, tol=FP32_TOL):
-    assert_close(out, out_ref, "output", tol)
-    for name, got, ref in zip(NAMES, grads, grads_ref):
-        assert_close(got, ref, f"d{name}", tol)
+CHECKS = OpChecks(run_op, run_naive_fp64, NAMES, FP32_TOL)
+assert_all_close = CHECKS.assert_all_close
 
 
 def check_against_naive(lengths, seed=0, heads=(H, HKV), dims=(D, D), **kwargs):
@@ -82,17 +76,10 @@ def check_against_naive(lengths, seed=0, heads=(H, HKV), dims=(D, D), **kwargs):
     assert_all_close(out, grads, *run_naive_fp64(inputs, cu, grad, **kwargs))
 
 
-@contextlib.contextmanager
-def one_thread():
-    """For tests that make thousands of tiny kernel calls (hypothesis, gradcheck, isolation): each CPU flash call is
-    a thread barrier, which costs milliseconds on shared cores (measured on 2 loaded cores: 64 five-token documents
-    fwd+bwd 294 ms on 2 threads, 49 ms on 1). Results are bit-identical: the kernel computes each row on one thread."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+# one_thread() for tests that make thousands of tiny kernel calls (hypothesis, gradcheck, isolation): each CPU flash
+# call is a thread barrier, which costs milliseconds on shared cores (measured on 2 loaded cores: 64 five-token
+# documents fwd+bwd 294 ms on 2 threads, 49 ms on 1). Results are bit-identical: the kernel computes each row on one
+# thread.
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -134,9 +121,7 @@ def test_tolerance_catches_dropped_boundaries():
     """The control: the same comparison with the boundaries dropped (one long document) misses by far."""
     lengths = [30, 20, 40]
     inputs = make_inputs(sum(lengths), seed=3)
-    out, _, grad = run_op(inputs, cu_seqlens_of([sum(lengths)]))
-    out_ref, _ = run_naive_fp64(inputs, cu_seqlens_of(lengths), grad)
-    assert max_error(out, out_ref) > 100 * FP32_TOL
+    CHECKS.assert_tolerance_catches_dropped_boundaries(inputs, cu_seqlens_of(lengths), cu_seqlens_of([sum(lengths)]))
 
 
 @pytest.mark.parametrize(
@@ -168,12 +153,7 @@ def test_stock_attention_leaks_on_a_packed_row():
 
 
 def test_zero_length_documents_change_nothing():
-    inputs = make_inputs(12)
-    out, grads, _ = run_op(inputs, cu_seqlens_of([5, 7]))
-    out_pad, grads_pad, _ = run_op(inputs, cu_seqlens_of([5, 0, 7, 0, 0]))
-    assert torch.equal(out, out_pad)
-    for got, ref in zip(grads_pad, grads):
-        assert torch.equal(got, ref)
+    CHECKS.assert_same_bits(make_inputs(12), cu_seqlens_of([5, 7]), cu_seqlens_of([5, 0, 7, 0, 0]))
 
 
 def test_max_seqlen_is_only_an_upper_bound():
@@ -197,20 +177,12 @@ def test_reference_reads_the_host_copy_of_the_boundaries(monkeypatch):
 
 
 def test_bfloat16_inputs_keep_their_dtype():
-    inputs = make_inputs(30, dtype=torch.bfloat16)
-    out, grads, _ = run_op(inputs, cu_seqlens_of([10, 20]))
-    assert out.dtype == torch.bfloat16 and out.shape == (30, H, D)
-    assert [g.dtype for g in grads] == [torch.bfloat16] * 3
+    CHECKS.assert_bfloat16_kept(make_inputs(30, dtype=torch.bfloat16), cu_seqlens_of([10, 20]), (30, H, D))
 
 
 def test_autocast_bfloat16_forward_and_backward():
     """Under CPU autocast the op computes in fp32 inside (autocast is off in custom-op bodies) and returns q's dtype."""
-    inputs = make_inputs(30, seed=7)
-    cu = cu_seqlens_of([12, 18])
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out, grads, grad = run_op(inputs, cu, window=6)
-    assert out.dtype == torch.float32
-    assert_all_close(out, grads, *run_naive_fp64(inputs, cu, grad, window=6))
+    CHECKS.assert_autocast_computes_in_fp32(make_inputs(30, seed=7), cu_seqlens_of([12, 18]), window=6)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -255,15 +227,11 @@ def test_explicit_math_path_off_cpu(monkeypatch, kwargs):
 @given(lengths=doc_lengths(max_total=150), window=st.sampled_from([None, 4]))
 def test_documents_isolated_to_the_bit(lengths, window):
     """Another document's values change neither this document's output nor reach its gradients, in any bit."""
-    if len(lengths) < 2:
-        lengths = [*lengths, 7]
-    total, bounds = sum(lengths), bounds_of(lengths)
+    lengths = at_least_two_documents(lengths)
     cu = cu_seqlens_of(lengths)
     run = lambda x: varlen_attention(*x, cu, max(lengths), window=window)  # noqa: E731
     with one_thread():
-        for document in {0, len(lengths) // 2, len(lengths) - 1}:
-            assert_documents_isolated(run, make_inputs(total, seed=1), make_inputs(total, seed=2), [0] * 3, 0, bounds,
-                                      document)
+        assert_packing_isolated(run, lambda seed: make_inputs(sum(lengths), seed=seed), lengths, [0] * 3, 0)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -276,13 +244,9 @@ def op_args(inputs, lengths, backend="reference", window_left=NO_WINDOW, host_co
     return (*inputs, cu, cu.clone() if host_copy else None, max(lengths), True, D**-0.5, window_left, backend)
 
 
-def opcheck_forward_and_backward(args):
-    torch.library.opcheck(attention.OP.forward, args)
-    # the backward op has no double backward: check it on plain tensors
-    plain = [x.detach() if isinstance(x, torch.Tensor) else x for x in args]
-    out, saved = attention.OP.forward(*plain)
-    torch.library.opcheck(attention.OP.backward, (torch.randn_like(out), out, saved, [True] * 3, *plain))
-    return saved
+def opcheck_attention(args):
+    """opcheck of the forward and backward ops (the backward takes the forward's output); returns the saved lse."""
+    return contract.opcheck_forward_and_backward(attention.OP, args, [True] * 3, with_output=True)
 
 
 @pytest.mark.parametrize(
@@ -292,7 +256,7 @@ def opcheck_forward_and_backward(args):
 )
 def test_opcheck(lengths, dtype, window_left, host_copy):
     inputs = make_inputs(sum(lengths), seed=2, dtype=dtype)
-    (lse,) = opcheck_forward_and_backward(op_args(inputs, lengths, window_left=window_left, host_copy=host_copy))
+    (lse,) = opcheck_attention(op_args(inputs, lengths, window_left=window_left, host_copy=host_copy))
     assert lse.shape == (H, sum(lengths)) and lse.dtype == torch.promote_types(dtype, torch.float32)
 
 
@@ -305,35 +269,20 @@ def grads_of(q, k, v, cu_seqlens, max_seqlen):
 
 
 def test_explain_one_graph_no_breaks():
-    args = (*make_inputs(14), cu_seqlens_of([5, 9]), 9)
-    forward = torch._dynamo.explain(loss_of)(*args)
-    assert (forward.graph_count, forward.graph_break_count) == (1, 0), forward.break_reasons
-    # autograd.grad inside the traced function needs this flag (off by default: it is a graph break otherwise)
-    with torch._dynamo.config.patch(trace_autograd_ops=True):
-        both = torch._dynamo.explain(grads_of)(*args)
-    assert (both.graph_count, both.graph_break_count) == (1, 0), both.break_reasons
+    contract.assert_one_graph(loss_of, grads_of, (*make_inputs(14), cu_seqlens_of([5, 9]), 9))
 
 
 def test_compiles_once_across_lengths_and_document_counts():
     # aot_eager, not a bare counter: fakes and saved-tensor shapes are traced, so a wrong fake fails here
-    compiled = torch.compile(loss_of, fullgraph=True, dynamic=True, backend="aot_eager")
     packings = [[5, 9], [3, 3, 3, 7], [40], [1, 2, 3, 4, 5, 6], [17, 0, 2], [8] * 9]
-    with graphs_compiled() as compiles:
-        for i, lengths in enumerate(packings):
-            inputs = make_inputs(sum(lengths), seed=i)
-            torch.autograd.grad(compiled(*inputs, cu_seqlens_of(lengths), max(lengths)), inputs)
-        assert compiles() == 1
+    calls = ((*make_inputs(sum(lengths), seed=i), cu_seqlens_of(lengths), max(lengths))
+             for i, lengths in enumerate(packings))
+    contract.assert_compiles_once(loss_of, calls, backward=True)
 
 
 def test_aot_eager_backward_matches_eager():
     lengths = [12, 1, 30]
-    inputs = make_inputs(sum(lengths))
-    cu = cu_seqlens_of(lengths)
-    compiled = torch.compile(loss_of, fullgraph=True, dynamic=True, backend="aot_eager")
-    grads = torch.autograd.grad(compiled(*inputs, cu, 30), inputs)
-    grads_eager = torch.autograd.grad(loss_of(*inputs, cu, 30), inputs)
-    for name, got, ref in zip(NAMES, grads, grads_eager):
-        assert_close(got, ref, f"d{name}", tol=1e-6)
+    contract.assert_aot_eager_grads_equal_eager(loss_of, make_inputs(sum(lengths)), [cu_seqlens_of(lengths), 30], NAMES)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -383,7 +332,7 @@ def test_kernel_paths_keep_their_float32_lse_and_pass_opcheck(monkeypatch, backe
         FakeTorchVarlen.route(monkeypatch)
     lengths = [7, 1, 12]
     inputs = make_inputs(sum(lengths), seed=5, dtype=torch.float64)
-    (lse,) = opcheck_forward_and_backward(op_args(inputs, lengths, backend=backend, window_left=3))
+    (lse,) = opcheck_attention(op_args(inputs, lengths, backend=backend, window_left=3))
     assert lse.dtype == torch.float32 and lse.shape == (H, sum(lengths))
 
 

@@ -15,7 +15,6 @@ dbias 4.8e-7 of the largest entry; boundaries dropped: out 0.49, gradients >= 0.
 
 from __future__ import annotations
 
-import contextlib
 from unittest import mock
 
 import pytest
@@ -26,10 +25,11 @@ from transformers.models.qwen3_next.modeling_qwen3_next import causal_conv1d_fn 
 
 from compilepack.ops import causal_conv1d as conv
 from compilepack.ops.causal_conv1d import causal_conv1d_naive, causal_conv1d_varlen, reference
-from tests.compiling import graphs_compiled
+from tests.ops import contract
 from tests.ops.fakes import route_kernels
 from tests.ops.fakes.causal_conv1d import MODULES, FakeCausalConv1d
-from tests.ops.properties import assert_close, assert_documents_isolated, gradcheck, max_error
+from tests.ops.oracle import one_thread, output_and_random_grads
+from tests.ops.properties import assert_close, assert_documents_isolated, at_least_two_documents, gradcheck, max_error
 from tests.strategies import bounds_of, doc_lengths, seq_idx_of
 
 FP32_TOL = 1e-5
@@ -59,24 +59,12 @@ def present(inputs):
 
 def run_op(inputs, seq_idx, activation="silu", grad_seed=1, **kwargs):
     out = causal_conv1d_varlen(*inputs, seq_idx, activation, **kwargs)
-    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed), dtype=out.dtype)
-    return out.detach(), list(torch.autograd.grad(out, present(inputs), grad_out)), grad_out
-
-
-@contextlib.contextmanager
-def one_thread():
-    """The fp64 oracle is many tiny convs (torch's fp64 grouped conv runs one per channel): on 2 threads each opens
-    a parallel region that waits for the other core, which costs up to 100x when another process keeps it busy."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
+    return output_and_random_grads(out, present(inputs), grad_seed)
 
 
 def run_naive_fp64(inputs, seq_idx, activation, grad_out):
     inputs64 = [t if t is None else t.detach().double().requires_grad_() for t in inputs]
+    # one thread: the fp64 oracle is many tiny convs (torch's fp64 grouped conv runs one per channel)
     with one_thread():
         out = causal_conv1d_naive(*inputs64, seq_idx, activation)
         return out.detach(), list(torch.autograd.grad(out, present(inputs64), grad_out.double()))
@@ -275,8 +263,7 @@ def test_fp64_gradcheck(route, lengths, width, batch, activation, bias):
 
 def isolation_case(lengths):
     """At least two documents, and three of them to check (first, middle, last)."""
-    if len(lengths) < 2:
-        lengths = [*lengths, 7]
+    lengths = at_least_two_documents(lengths)
     return lengths, {0, len(lengths) // 2, len(lengths) - 1}
 
 
@@ -333,15 +320,11 @@ def test_weight_grads_isolated_to_the_bit(lengths, width, route):
 )
 @pytest.mark.parametrize("with_bias, silu", [(True, True), (False, False)])
 def test_opcheck(route, lengths, with_bias, silu):
-    inputs = make_inputs(lengths, batch=2, bias=with_bias)
-    args = (*inputs, seq_idx_of(lengths).expand(2, -1).contiguous(), silu, "reference")
+    args = (*make_inputs(lengths, batch=2, bias=with_bias), seq_idx_of(lengths).expand(2, -1).contiguous(), silu,
+            "reference")
+    needs_grad = [True, True, with_bias] if silu else [True, False, False]  # without silu: dx alone (a frozen conv)
     with on_route(route):
-        torch.library.opcheck(conv.OP.forward, args)
-        out, saved = conv.OP.forward(*args)
-        # the backward op has no double backward: check it on plain tensors (dx alone: a frozen conv)
-        plain = [t if t is None else t.detach() for t in inputs]
-        needs_grad = [True, True, with_bias] if silu else [True, False, False]
-        torch.library.opcheck(conv.OP.backward, (torch.randn_like(out), None, saved, needs_grad, *plain, *args[3:]))
+        contract.opcheck_forward_and_backward(conv.OP, args, needs_grad)
 
 
 def loss_of(x, weight, bias, seq_idx):
@@ -354,27 +337,15 @@ def grads_of(x, weight, bias, seq_idx):
 
 def test_explain_one_graph_no_breaks():
     lengths = [3, 1, 6]
-    args = (*make_inputs(lengths), seq_idx_of(lengths))
-    forward = torch._dynamo.explain(loss_of)(*args)
-    assert (forward.graph_count, forward.graph_break_count) == (1, 0), forward.break_reasons
-    # autograd.grad inside the traced function needs this flag (off by default: it is a graph break otherwise)
-    with torch._dynamo.config.patch(trace_autograd_ops=True):
-        both = torch._dynamo.explain(grads_of)(*args)
-    assert (both.graph_count, both.graph_break_count) == (1, 0), both.break_reasons
+    contract.assert_one_graph(loss_of, grads_of, (*make_inputs(lengths), seq_idx_of(lengths)))
 
 
 def test_compiles_once_across_lengths_and_document_counts():
     # aot_eager, not a bare counter: the fakes of the forward and backward ops are traced too
-    compiled = torch.compile(loss_of, fullgraph=True, dynamic=True, backend="aot_eager")
     # first T (9) differs from D (8) and W (4): duck sizing would otherwise share one symbol and recompile
     packings = [[5, 4], [1, 1, 1, 9, 2], [17], [2] * 11, [30, 1, 4], [6, 6, 6, 6, 6, 6, 7]]
-    with graphs_compiled() as compiles:
-        for i, lengths in enumerate(packings):
-            inputs = make_inputs(lengths, seed=i)
-            loss = compiled(*inputs, seq_idx_of(lengths))
-            loss.backward()
-            assert torch.equal(loss, loss_of(*inputs, seq_idx_of(lengths)))
-        assert compiles() == 1
+    calls = ((*make_inputs(lengths, seed=i), seq_idx_of(lengths)) for i, lengths in enumerate(packings))
+    contract.assert_compiles_once(loss_of, calls, backward=True, equals_eager=True)
 
 
 def test_aot_eager_backward_matches_eager():

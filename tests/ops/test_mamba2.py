@@ -23,11 +23,12 @@ from hypothesis import strategies as st
 from compilepack.ops import mamba2
 from compilepack.ops.mamba2 import mamba2_chunk_scan_naive, mamba2_chunk_scan_varlen
 from compilepack.ops.mamba2.mamba_ssm import SSD_COMBINED
-from tests.compiling import graphs_compiled
+from tests.ops import contract
 from tests.ops.fakes import route_kernels
 from tests.ops.fakes.mamba_ssm import FakeSSD
-from tests.ops.properties import assert_close, assert_documents_isolated, gradcheck, max_error
-from tests.strategies import CHUNK, bounds_of, doc_lengths, seq_idx_of
+from tests.ops.oracle import OpChecks, output_and_grads, output_and_random_grads, run_fp64
+from tests.ops.properties import assert_close, assert_packing_isolated, at_least_two_documents, gradcheck, max_error
+from tests.strategies import CHUNK, doc_lengths, seq_idx_of
 
 transformers = pytest.importorskip("transformers")
 from transformers.models.bamba import modeling_bamba  # noqa: E402
@@ -63,28 +64,24 @@ def scan(inputs, seq_idx, chunk_size=CHUNK, **kwargs):
 
 
 def run_op(inputs, seq_idx, chunk_size=CHUNK, grad_seed=1, **kwargs):
-    y = scan(inputs, seq_idx, chunk_size, **kwargs)
-    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(grad_seed), dtype=y.dtype)
-    return y.detach(), list(torch.autograd.grad(y, inputs, dy)), dy
+    return output_and_random_grads(scan(inputs, seq_idx, chunk_size, **kwargs), inputs, grad_seed)
 
 
 def run_naive_fp64(inputs, seq_idx, dy, **kwargs):
-    inputs64 = [t.detach().double().requires_grad_() for t in inputs]
-    x, dt, A, B, C, D, dt_bias = inputs64
-    y = mamba2_chunk_scan_naive(x, dt, A, B, C, D=D, dt_bias=dt_bias, seq_idx=seq_idx, **(SCAN_KW | kwargs))
-    return y.detach(), list(torch.autograd.grad(y, inputs64, dy.double()))
+    def naive(x, dt, A, B, C, D, dt_bias):
+        return mamba2_chunk_scan_naive(x, dt, A, B, C, D=D, dt_bias=dt_bias, seq_idx=seq_idx, **(SCAN_KW | kwargs))
+
+    return run_fp64(naive, inputs, dy)
 
 
 def run_stock(inputs, dy, chunk_size=CHUNK, **kwargs):
     x, dt, A, B, C, D, dt_bias = inputs
     y = STOCK_SCAN(x, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, **(SCAN_KW | kwargs))
-    return y.detach(), list(torch.autograd.grad(y, inputs, dy))
+    return output_and_grads(y, inputs, dy)
 
 
-def assert_all_close(y, grads, y_ref, grads_ref, tol=FP32_TOL):
-    assert_close(y, y_ref, "y", tol)
-    for name, got, ref in zip(NAMES, grads, grads_ref):
-        assert_close(got, ref, f"d{name}", tol)
+CHECKS = OpChecks(run_op, run_naive_fp64, NAMES, FP32_TOL, what="y")
+assert_all_close = CHECKS.assert_all_close
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -95,18 +92,14 @@ def assert_all_close(y, grads, y_ref, grads_ref, tol=FP32_TOL):
 @given(lengths=doc_lengths(max_total=320), groups=st.sampled_from([1, G]), D_shape=st.sampled_from(["heads", "hp"]))
 def test_packed_equals_naive_recurrence_per_document(lengths, groups, D_shape):
     inputs = make_inputs(sum(lengths), seed=len(lengths), groups=groups, D_shape=D_shape)
-    seq_idx = seq_idx_of(lengths)
-    y, grads, dy = run_op(inputs, seq_idx)
-    assert_all_close(y, grads, *run_naive_fp64(inputs, seq_idx, dy))
+    CHECKS.assert_equals_oracle(inputs, seq_idx_of(lengths))
 
 
 def test_tolerance_catches_dropped_boundaries():
     """The control: the same comparison with the boundaries dropped (one long document) misses by far."""
     lengths = [50, 40, 60]
     inputs = make_inputs(sum(lengths), seed=3)
-    y, _, dy = run_op(inputs, seq_idx_of([sum(lengths)]))
-    y_ref, _ = run_naive_fp64(inputs, seq_idx_of(lengths), dy)
-    assert max_error(y, y_ref) > 100 * FP32_TOL
+    CHECKS.assert_tolerance_catches_dropped_boundaries(inputs, seq_idx_of(lengths), seq_idx_of([sum(lengths)]))
 
 
 @pytest.mark.parametrize("groups", [1, G])
@@ -161,20 +154,13 @@ def test_batch_rows_are_independent():
     sums the per-head parameters' gradients over both)."""
     lengths_per_row = [[70, 1, 57], [3, 125]]
     inputs = make_inputs(128, batch=2, seed=6)
-    seq_idx = torch.cat([seq_idx_of(lengths) for lengths in lengths_per_row])
-    y, grads, dy = run_op(inputs, seq_idx)
-    assert_all_close(y, grads, *run_naive_fp64(inputs, seq_idx, dy))
+    CHECKS.assert_equals_oracle(inputs, torch.cat([seq_idx_of(lengths) for lengths in lengths_per_row]))
 
 
 def test_zero_length_documents_change_nothing():
     """Skipped document indices (the collator's empty slots) are no documents: same results, bit for bit."""
     lengths = [30, 1, 69]
-    inputs = make_inputs(sum(lengths))
-    y, grads, _ = run_op(inputs, seq_idx_of(lengths))
-    y_gaps, grads_gaps, _ = run_op(inputs, seq_idx_of(lengths) * 3 + 2)
-    assert torch.equal(y, y_gaps)
-    for got, ref in zip(grads_gaps, grads):
-        assert torch.equal(got, ref)
+    CHECKS.assert_same_bits(make_inputs(sum(lengths)), seq_idx_of(lengths), seq_idx_of(lengths) * 3 + 2)
 
 
 def test_optional_D_and_dt_bias_and_bfloat16_inputs():
@@ -234,14 +220,10 @@ def test_fp64_gradcheck(lengths, batch, D_shape):
 @given(lengths=doc_lengths(max_total=200))
 def test_documents_isolated_to_the_bit(lengths):
     """Another document's values change neither this document's output nor reach its gradients, in any bit."""
-    if len(lengths) < 2:
-        lengths = [*lengths, 7]
-    total, bounds, seq_idx = sum(lengths), bounds_of(lengths), seq_idx_of(lengths)
-    for document in {0, len(lengths) // 2, len(lengths) - 1}:
-        assert_documents_isolated(
-            lambda t: scan(t, seq_idx), make_inputs(total, seed=1), make_inputs(total, seed=2), TOKEN_DIMS, 1,
-            bounds, document,
-        )
+    lengths = at_least_two_documents(lengths)
+    seq_idx = seq_idx_of(lengths)
+    assert_packing_isolated(lambda t: scan(t, seq_idx), lambda seed: make_inputs(sum(lengths), seed=seed), lengths,
+                            TOKEN_DIMS, 1)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -256,19 +238,15 @@ def op_args(inputs, lengths, chunk_size=32, backend="reference", optional=True):
     return (x, dt, A, B, C, seq_idx_of(lengths), D, dt_bias, chunk_size, True, 0.0, float("inf"), backend)
 
 
-def check_backward_op(args):
-    y, saved = mamba2.OP.forward(*args)
-    # the backward op has no double backward: check it on plain tensors
-    plain = [t.detach() if isinstance(t, torch.Tensor) else t for t in args]
+def opcheck_mamba2(args):
+    """opcheck of the forward and backward ops (the backward takes the forward's output); returns what is saved."""
     needs = [t is not None for t in args[:5] + args[6:8]]
-    torch.library.opcheck(mamba2.OP.backward, (torch.randn_like(y), y.detach(), saved, needs, *plain))
+    return contract.opcheck_forward_and_backward(mamba2.OP, args, needs, with_output=True)
 
 
 @pytest.mark.parametrize("lengths, optional", [([1], False), ([30, 1, 33, 64, 64, 5], True)])
 def test_opcheck(lengths, optional):
-    args = op_args(make_inputs(sum(lengths), seed=2), lengths, optional=optional)
-    torch.library.opcheck(mamba2.OP.forward, args)
-    check_backward_op(args)
+    opcheck_mamba2(op_args(make_inputs(sum(lengths), seed=2), lengths, optional=optional))
 
 
 def loss_of(x, dt, A, B, C, D, dt_bias, seq_idx):
@@ -281,35 +259,20 @@ def grads_of(x, dt, A, B, C, D, dt_bias, seq_idx):
 
 
 def test_explain_one_graph_no_breaks():
-    args = (*make_inputs(70), seq_idx_of([20, 50]))
-    forward = torch._dynamo.explain(loss_of)(*args)
-    assert (forward.graph_count, forward.graph_break_count) == (1, 0), forward.break_reasons
-    # autograd.grad inside the traced function needs this flag (off by default: it is a graph break otherwise)
-    with torch._dynamo.config.patch(trace_autograd_ops=True):
-        both = torch._dynamo.explain(grads_of)(*args)
-    assert (both.graph_count, both.graph_break_count) == (1, 0), both.break_reasons
+    contract.assert_one_graph(loss_of, grads_of, (*make_inputs(70), seq_idx_of([20, 50])))
 
 
 def test_compiles_once_across_lengths_and_packings():
     # aot_eager, not a bare counter: fakes and saved-tensor shapes are traced, so a size-1 chunk count (a batch
     # of at most one chunk) would show up as a recompile
-    compiled = torch.compile(loss_of, fullgraph=True, dynamic=True, backend="aot_eager")
     packings = [[40], [10, 30, 3], [1] * 9, [100, 28], [64, 1, 64], [7, 70, 7, 7]]
-    with graphs_compiled() as compiles:
-        for i, lengths in enumerate(packings):
-            compiled(*make_inputs(sum(lengths), seed=i), seq_idx_of(lengths))
-        assert compiles() == 1
+    calls = ((*make_inputs(sum(lengths), seed=i), seq_idx_of(lengths)) for i, lengths in enumerate(packings))
+    contract.assert_compiles_once(loss_of, calls)
 
 
 def test_aot_eager_backward_matches_eager():
     lengths = [33, 1, 60]
-    inputs = make_inputs(sum(lengths))
-    seq_idx = seq_idx_of(lengths)
-    compiled = torch.compile(loss_of, fullgraph=True, dynamic=True, backend="aot_eager")
-    grads = torch.autograd.grad(compiled(*inputs, seq_idx), inputs)
-    grads_eager = torch.autograd.grad(loss_of(*inputs, seq_idx), inputs)
-    for name, got, ref in zip(NAMES, grads, grads_eager):
-        assert_close(got, ref, f"d{name}", tol=1e-6)
+    contract.assert_aot_eager_grads_equal_eager(loss_of, make_inputs(sum(lengths)), [seq_idx_of(lengths)], NAMES)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -352,10 +315,7 @@ def test_mamba_ssm_path_contract_and_results(fake_ssd, optional):
 def test_mamba_ssm_path_passes_opcheck(fake_ssd):
     """The kernel path's fake (output in x's dtype, nothing saved) matches what the glue returns."""
     lengths = [30, 1, 33]
-    args = op_args(make_inputs(sum(lengths), batch=1, seed=10), lengths, backend="mamba_ssm")
-    torch.library.opcheck(mamba2.OP.forward, args)
-    assert mamba2.OP.forward(*args)[1] == []
-    check_backward_op(args)
+    assert opcheck_mamba2(op_args(make_inputs(sum(lengths), batch=1, seed=10), lengths, backend="mamba_ssm")) == []
 
 
 # --------------------------------------------------------------------------------------------------------------

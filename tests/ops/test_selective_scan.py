@@ -22,10 +22,11 @@ from transformers.models.mamba import modeling_mamba
 
 from compilepack.ops import selective_scan as scan
 from compilepack.ops.selective_scan import selective_scan_naive, selective_scan_varlen
-from tests.compiling import graphs_compiled
+from tests.ops import contract
 from tests.ops.fakes import route_kernels
-from tests.ops.properties import assert_close, assert_documents_isolated, gradcheck, max_error
-from tests.strategies import bounds_of, doc_lengths, seq_idx_of
+from tests.ops.oracle import OpChecks, output_and_grads, output_and_random_grads, run_fp64
+from tests.ops.properties import assert_close, assert_packing_isolated, at_least_two_documents, gradcheck, max_error
+from tests.strategies import doc_lengths, seq_idx_of
 
 STOCK_SCAN = inspect.unwrap(modeling_mamba.mamba_selective_scan)  # the torch fallback itself (no kernel lookup)
 
@@ -52,26 +53,21 @@ def make_inputs(total, batch=1, groups=None, seed=0, dtype=torch.float32, dims=(
 def run_op(inputs, seq_idx, grad_seed=1, **kwargs):
     """Output, the gradient of every input, and the output gradient used (``delta_softplus=True``)."""
     out = selective_scan_varlen(*inputs, True, seq_idx=seq_idx, **kwargs)
-    grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed), dtype=out.dtype)
-    return out.detach(), list(torch.autograd.grad(out, inputs, grad)), grad
+    return output_and_random_grads(out, inputs, grad_seed)
 
 
 def run_naive_fp64(inputs, seq_idx, grad):
-    inputs64 = [x.detach().double().requires_grad_() for x in inputs]
-    out = selective_scan_naive(*inputs64, True, seq_idx=seq_idx)
-    return out.detach(), list(torch.autograd.grad(out, inputs64, grad.double()))
+    return run_fp64(lambda *x: selective_scan_naive(*x, True, seq_idx=seq_idx), inputs, grad)
 
 
 def run_stock(inputs, grad):
     u, delta, A, B, C, D, z, delta_bias = inputs
     out = STOCK_SCAN(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=True)
-    return out.detach(), list(torch.autograd.grad(out, inputs, grad))
+    return output_and_grads(out, inputs, grad)
 
 
-def assert_all_close(out, grads, out_ref, grads_ref, tol=FP32_TOL):
-    assert_close(out, out_ref, "output", tol)
-    for name, got, ref in zip(NAMES, grads, grads_ref):
-        assert_close(got, ref, f"d{name}", tol)
+CHECKS = OpChecks(run_op, run_naive_fp64, NAMES, FP32_TOL)
+assert_all_close = CHECKS.assert_all_close
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -81,19 +77,14 @@ def assert_all_close(out, grads, out_ref, grads_ref, tol=FP32_TOL):
 
 @given(lengths=doc_lengths(max_total=320), groups=st.sampled_from([None, 1, GROUPS]))
 def test_packed_equals_naive_recurrence_per_document(lengths, groups):
-    inputs = make_inputs(sum(lengths), groups=groups, seed=len(lengths))
-    seq_idx = seq_idx_of(lengths)
-    out, grads, grad = run_op(inputs, seq_idx)
-    assert_all_close(out, grads, *run_naive_fp64(inputs, seq_idx, grad))
+    CHECKS.assert_equals_oracle(make_inputs(sum(lengths), groups=groups, seed=len(lengths)), seq_idx_of(lengths))
 
 
 def test_tolerance_catches_dropped_boundaries():
     """The control: the same comparison with the boundaries dropped (one long document) misses by far."""
     lengths = [50, 40, 60]
     inputs = make_inputs(sum(lengths), seed=3)
-    out, _, grad = run_op(inputs, seq_idx_of([sum(lengths)]))
-    out_ref, _ = run_naive_fp64(inputs, seq_idx_of(lengths), grad)
-    assert max_error(out, out_ref) > 100 * FP32_TOL
+    CHECKS.assert_tolerance_catches_dropped_boundaries(inputs, seq_idx_of(lengths), seq_idx_of([sum(lengths)]))
 
 
 @pytest.mark.parametrize("total", [1, 63, 64, 65, 300])
@@ -142,20 +133,13 @@ def test_stock_function_leaks_across_documents():
 def test_batch_rows_are_documents():
     """Two rows packed differently: each row's documents restart at the row start and at their own starts."""
     seq_idx = torch.cat([seq_idx_of([70, 1, 57]), seq_idx_of([3, 125])])
-    inputs = make_inputs(128, batch=2, groups=GROUPS, seed=4)
-    out, grads, grad = run_op(inputs, seq_idx)
-    assert_all_close(out, grads, *run_naive_fp64(inputs, seq_idx, grad))
+    CHECKS.assert_equals_oracle(make_inputs(128, batch=2, groups=GROUPS, seed=4), seq_idx)
 
 
 def test_zero_length_documents_change_nothing():
     """Skipped document indices (empty documents) and int64 indices give the same bits."""
-    inputs = make_inputs(100)
-    out, grads, _ = run_op(inputs, seq_idx_of([30, 70]))
-    for seq_idx in (seq_idx_of([0, 30, 0, 0, 70, 0]), seq_idx_of([30, 70]).long()):
-        out_other, grads_other, _ = run_op(inputs, seq_idx)
-        assert torch.equal(out_other, out)
-        for got, ref in zip(grads_other, grads):
-            assert torch.equal(got, ref)
+    others = (seq_idx_of([0, 30, 0, 0, 70, 0]), seq_idx_of([30, 70]).long())
+    CHECKS.assert_same_bits(make_inputs(100), seq_idx_of([30, 70]), *others)
 
 
 @pytest.mark.parametrize("batch, total, optional", [(2, 10, False), (2, 70, True), (1, 64, False)])
@@ -183,12 +167,7 @@ def test_bfloat16_inputs_compute_in_float32():
 
 def test_autocast_bfloat16_forward_and_backward():
     """Under CPU autocast the op computes in fp32 inside (autocast is off in custom-op bodies)."""
-    inputs = make_inputs(70, groups=GROUPS, seed=7)
-    seq_idx = seq_idx_of([20, 50])
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out, grads, grad = run_op(inputs, seq_idx)
-    assert out.dtype == torch.float32
-    assert_all_close(out, grads, *run_naive_fp64(inputs, seq_idx, grad))
+    CHECKS.assert_autocast_computes_in_fp32(make_inputs(70, groups=GROUPS, seed=7), seq_idx_of([20, 50]))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -228,15 +207,11 @@ TOKEN_DIMS = (2, 2, None, -1, -1, None, 2, None)  # u, delta, z: dim 2; B, C: th
 @given(lengths=doc_lengths(max_total=200), groups=st.sampled_from([None, GROUPS]))
 def test_documents_isolated_to_the_bit(lengths, groups):
     """Another document's values change neither this document's output nor reach its gradients, in any bit."""
-    if len(lengths) < 2:
-        lengths = [*lengths, 7]
-    total, bounds, seq_idx = sum(lengths), bounds_of(lengths), seq_idx_of(lengths)
+    lengths = at_least_two_documents(lengths)
+    seq_idx = seq_idx_of(lengths)
     run = lambda x: selective_scan_varlen(*x, True, seq_idx=seq_idx)  # noqa: E731
-    for document in {0, len(lengths) // 2, len(lengths) - 1}:
-        assert_documents_isolated(
-            run, make_inputs(total, groups=groups, seed=1), make_inputs(total, groups=groups, seed=2),
-            TOKEN_DIMS, 2, bounds, document,
-        )
+    assert_packing_isolated(run, lambda seed: make_inputs(sum(lengths), groups=groups, seed=seed), lengths,
+                            TOKEN_DIMS, 2)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -263,13 +238,7 @@ OPCHECK_TESTS = ("test_schema", "test_autograd_registration", "test_faketensor",
 def test_opcheck(lengths, batch, groups, optional):
     inputs = make_inputs(sum(lengths), batch=batch, groups=groups, seed=2)
     args = op_args(inputs, seq_idx_of(lengths).expand(batch, -1).contiguous(), optional)
-    torch.library.opcheck(scan.OP.forward, args, test_utils=OPCHECK_TESTS)
-    out, saved = scan.OP.forward(*args)
-    # the backward op has no double backward: check it on plain tensors
-    plain = op_args([x.detach() for x in inputs], *args[5:6], optional)
-    needs_grad = [True] * 5 + [optional] * 3
-    backward_args = (torch.randn_like(out), None, saved, needs_grad, *plain)
-    torch.library.opcheck(scan.OP.backward, backward_args, test_utils=OPCHECK_TESTS)
+    contract.opcheck_forward_and_backward(scan.OP, args, [True] * 5 + [optional] * 3, test_utils=OPCHECK_TESTS)
 
 
 def loss_of(u, delta, A, B, C, D, z, delta_bias, seq_idx):
@@ -281,35 +250,21 @@ def grads_of(*args):
 
 
 def test_explain_one_graph_no_breaks():
-    args = (*make_inputs(70), seq_idx_of([20, 50]))
-    forward = torch._dynamo.explain(loss_of)(*args)
-    assert (forward.graph_count, forward.graph_break_count) == (1, 0), forward.break_reasons
-    # autograd.grad inside the traced function needs this flag (off by default: it is a graph break otherwise)
-    with torch._dynamo.config.patch(trace_autograd_ops=True):
-        both = torch._dynamo.explain(grads_of)(*args)
-    assert (both.graph_count, both.graph_break_count) == (1, 0), both.break_reasons
+    contract.assert_one_graph(loss_of, grads_of, (*make_inputs(70), seq_idx_of([20, 50])))
 
 
 def test_compiles_once_across_lengths_and_packings():
     # aot_eager, not a bare counter: fakes and saved-tensor shapes are traced, so a stride or size mismatch
     # between fake and real, or a specialised block count, would show up here
-    compiled = torch.compile(loss_of, fullgraph=True, dynamic=True, backend="aot_eager")
     packings = [[40], [10, 30, 3], [1] * 9, [100, 28], [64, 1, 64], [7, 70, 7, 7]]
-    with graphs_compiled() as compiles:
-        for i, lengths in enumerate(packings):
-            compiled(*make_inputs(sum(lengths), seed=i), seq_idx_of(lengths)).backward()
-        assert compiles() == 1
+    calls = ((*make_inputs(sum(lengths), seed=i), seq_idx_of(lengths)) for i, lengths in enumerate(packings))
+    contract.assert_compiles_once(loss_of, calls, backward=True)
 
 
 def test_aot_eager_backward_matches_eager():
     lengths = [33, 1, 60]
     inputs = make_inputs(sum(lengths), groups=GROUPS)
-    seq_idx = seq_idx_of(lengths)
-    compiled = torch.compile(loss_of, fullgraph=True, dynamic=True, backend="aot_eager")
-    grads = torch.autograd.grad(compiled(*inputs, seq_idx), inputs)
-    grads_eager = torch.autograd.grad(loss_of(*inputs, seq_idx), inputs)
-    for name, got, ref in zip(NAMES, grads, grads_eager):
-        assert_close(got, ref, f"d{name}", tol=1e-6)
+    contract.assert_aot_eager_grads_equal_eager(loss_of, inputs, [seq_idx_of(lengths)], NAMES)
 
 
 # --------------------------------------------------------------------------------------------------------------

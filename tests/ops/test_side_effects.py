@@ -9,14 +9,7 @@ import torch._dynamo.testing
 import torch.nn.functional as F
 
 import compilepack
-from compilepack.ops import (
-    causal_conv1d_varlen,
-    gated_delta_rule_varlen,
-    kimi_delta_attention_varlen,
-    mamba2_chunk_scan_varlen,
-    selective_scan_varlen,
-    varlen_attention,
-)
+from compilepack import ops
 from tests.families import build_tiny
 from tests.models import hf_batch, random_docs
 from tests.strategies import cu_seqlens_of, seq_idx_of
@@ -31,16 +24,16 @@ def _inputs():
     cu, seq_idx = cu_seqlens_of(LENGTHS), seq_idx_of(LENGTHS)
     decay = lambda *shape: F.logsigmoid(torch.randn(*shape, generator=g)).requires_grad_()  # noqa: E731
     return {
-        "attention": lambda: varlen_attention(r(T, 2, 8), r(T, 2, 8), r(T, 2, 8), cu, T),
-        "conv": lambda: causal_conv1d_varlen(r(1, 8, T), r(8, 4), r(8), seq_idx, "silu"),
-        "gated_delta_rule": lambda: gated_delta_rule_varlen(r(1, T, 2, 8), r(1, T, 2, 8), r(1, T, 2, 8),
-                                                            decay(1, T, 2), r(1, T, 2).sigmoid(), cu),
-        "kimi_delta_attention": lambda: kimi_delta_attention_varlen(r(1, T, 2, 8), r(1, T, 2, 8), r(1, T, 2, 8),
-                                                                    decay(1, T, 2, 8), r(1, T, 2).sigmoid(), cu),
-        "mamba2": lambda: mamba2_chunk_scan_varlen(r(1, T, 2, 4), r(1, T, 2), -torch.rand(2), r(1, T, 1, 4),
-                                                   r(1, T, 1, 4), 16, seq_idx=seq_idx),
-        "selective_scan": lambda: selective_scan_varlen(r(1, 4, T), r(1, 4, T), -torch.rand(4, 3), r(1, 3, T),
-                                                        r(1, 3, T), seq_idx=seq_idx),
+        "attention": lambda: ops.varlen_attention(r(T, 2, 8), r(T, 2, 8), r(T, 2, 8), cu, T),
+        "conv": lambda: ops.causal_conv1d_varlen(r(1, 8, T), r(8, 4), r(8), seq_idx, "silu"),
+        "gated_delta_rule": lambda: ops.gated_delta_rule_varlen(r(1, T, 2, 8), r(1, T, 2, 8), r(1, T, 2, 8),
+                                                                decay(1, T, 2), r(1, T, 2).sigmoid(), cu),
+        "kimi_delta_attention": lambda: ops.kimi_delta_attention_varlen(r(1, T, 2, 8), r(1, T, 2, 8), r(1, T, 2, 8),
+                                                                        decay(1, T, 2, 8), r(1, T, 2).sigmoid(), cu),
+        "mamba2": lambda: ops.mamba2_chunk_scan_varlen(r(1, T, 2, 4), r(1, T, 2), -torch.rand(2), r(1, T, 1, 4),
+                                                       r(1, T, 1, 4), 16, seq_idx=seq_idx),
+        "selective_scan": lambda: ops.selective_scan_varlen(r(1, 4, T), r(1, 4, T), -torch.rand(4, 3), r(1, 3, T),
+                                                            r(1, 3, T), seq_idx=seq_idx),
     }
 
 
