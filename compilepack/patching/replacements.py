@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import math
 from collections.abc import Callable
 
@@ -159,63 +160,49 @@ CAUSAL_CONV1D = Replacement(
 # ------------------------------------------------------------------------------------------------ gated delta rule
 
 
-def _make_gated_delta_rule(stock: Callable, backends: Backends) -> Callable:
-    def chunk_gated_delta_rule(
-        query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
-        use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs,
-    ):
-        if cu_seqlens is None:
-            return stock(
-                query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
-                output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+def _delta_rule(global_name: str, op: str, what: str, boundaries: str, stock_takes_kwargs: bool) -> Replacement:
+    """transformers' chunked delta rule ``global_name`` (``query, key, value, g, beta`` and its chunk, state and
+    l2norm arguments): the stock function for batches without boundaries, compilepack's ``ops.<op>`` for those that
+    pass them (as the keyword ``boundaries``). ``stock_takes_kwargs``: the other keywords go to the stock function
+    too."""
+
+    def make(stock: Callable, backends: Backends) -> Callable:
+        varlen = getattr(importlib.import_module(f"..ops.{op}", __package__), f"{op}_varlen")
+
+        def chunk_delta_rule(
+            query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+            use_qk_l2norm_in_kernel=False, **kwargs,
+        ):
+            cu_seqlens = kwargs.get(boundaries)
+            if cu_seqlens is None:
+                return stock(
+                    query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
+                    output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                    **(kwargs if stock_takes_kwargs else {}),
+                )
+            _refuse_state(initial_state is not None or output_final_state, what)
+            out = varlen(
+                query, key, value, g, beta, cu_seqlens, use_qk_l2norm=use_qk_l2norm_in_kernel,
+                cu_seqlens_cpu=kwargs.get("cu_seq_lens_q_cpu"), backend=backends.gated_delta,
             )
-        _refuse_state(initial_state is not None or output_final_state, "gated delta rule")
-        from ..ops.gated_delta_rule import gated_delta_rule_varlen
+            return out, None
 
-        out = gated_delta_rule_varlen(
-            query, key, value, g, beta, cu_seqlens, use_qk_l2norm=use_qk_l2norm_in_kernel,
-            cu_seqlens_cpu=kwargs.get("cu_seq_lens_q_cpu"), backend=backends.gated_delta,
-        )
-        return out, None
+        chunk_delta_rule.__name__ = chunk_delta_rule.__qualname__ = global_name
+        return chunk_delta_rule
 
-    return chunk_gated_delta_rule
+    expected = ("query", "key", "value", "g", "beta", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel")
+    return Replacement(global_name, make, expected)
 
 
-GATED_DELTA_RULE = Replacement(
-    "torch_chunk_gated_delta_rule",
-    _make_gated_delta_rule,
-    ("query", "key", "value", "g", "beta", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel"),
+# Gated DeltaNet's delta rule; its layers pass the boundaries as ``cu_seqlens``.
+GATED_DELTA_RULE = _delta_rule(
+    "torch_chunk_gated_delta_rule", "gated_delta_rule", "gated delta rule", "cu_seqlens", stock_takes_kwargs=False
 )
-
-
-def _make_kimi_delta_attention(stock: Callable, backends: Backends) -> Callable:
-    def chunk_kimi_delta_attention(
-        query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
-        use_qk_l2norm_in_kernel=False, **kwargs,
-    ):
-        cu_seqlens = kwargs.get("cu_seq_lens_q")
-        if cu_seqlens is None:
-            return stock(
-                query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
-                output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs,
-            )
-        _refuse_state(initial_state is not None or output_final_state, "Kimi delta attention")
-        from ..ops.kimi_delta_attention import kimi_delta_attention_varlen
-
-        out = kimi_delta_attention_varlen(
-            query, key, value, g, beta, cu_seqlens, use_qk_l2norm=use_qk_l2norm_in_kernel,
-            cu_seqlens_cpu=kwargs.get("cu_seq_lens_q_cpu"), backend=backends.gated_delta,
-        )
-        return out, None
-
-    return chunk_kimi_delta_attention
-
-
-# The KDA kernel of Kimi Linear; CUDA backend: the gated-delta-rule kind's choice (fla serves both).
-KIMI_DELTA_ATTENTION = Replacement(
-    "chunk_kimi_delta_attention",
-    _make_kimi_delta_attention,
-    ("query", "key", "value", "g", "beta", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel"),
+# The KDA kernel of Kimi Linear, given the layer's kwargs; CUDA backend: the gated-delta-rule kind's choice (fla
+# serves both).
+KIMI_DELTA_ATTENTION = _delta_rule(
+    "chunk_kimi_delta_attention", "kimi_delta_attention", "Kimi delta attention", "cu_seq_lens_q",
+    stock_takes_kwargs=True,
 )
 
 
@@ -252,23 +239,28 @@ MAMBA2_CHUNK_SCAN = Replacement(
 )
 
 
-def _make_mamba2_split_conv1d_scan(stock: Callable, backends: Backends) -> Callable:
-    def mamba2_split_conv1d_scan_combined(zxbcdt, *args, seq_idx=None, **kwargs):
-        if seq_idx is None:
-            return stock(zxbcdt, *args, **kwargs)
-        # A packed batch always takes the mixer's unfused path (returning None is how the stock forward asks
-        # for it), whose conv and scan are compilepack's ops, each on its CUDA kernel when installed. The fused
-        # kernel is handed raw weights (``out_proj.weight``, the norm's weight), so it would silently bypass
-        # adapters such as LoRA on those modules, and this function never sees the modules to tell.
-        return None
+def _unfused_when_packed(global_name: str, expected_params: tuple[str, ...]) -> Replacement:
+    """A fused mixer kernel's global: the stock kernel for batches without boundaries; for a packed batch None,
+    which is how the stock forward asks for its unfused path, whose conv and scan are compilepack's ops. Decided
+    from static facts only (whether ``seq_idx`` is passed)."""
 
-    return mamba2_split_conv1d_scan_combined
+    def make(stock: Callable, backends: Backends) -> Callable:
+        def unfused_when_packed(first, *args, seq_idx=None, **kwargs):
+            if seq_idx is None:
+                return stock(first, *args, **kwargs)
+            return None
+
+        unfused_when_packed.__name__ = unfused_when_packed.__qualname__ = global_name
+        return unfused_when_packed
+
+    return Replacement(global_name, make, expected_params)
 
 
-MAMBA2_SPLIT_CONV1D_SCAN = Replacement(
-    "mamba2_split_conv1d_scan_combined",
-    _make_mamba2_split_conv1d_scan,
-    ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D", "chunk_size"),
+# A packed batch always takes the mixer's unfused path, its conv and scan each on their CUDA kernel when
+# installed. The fused kernel is handed raw weights (``out_proj.weight``, the norm's weight), so it would silently
+# bypass adapters such as LoRA on those modules, and the replacement never sees the modules to tell.
+MAMBA2_SPLIT_CONV1D_SCAN = _unfused_when_packed(
+    "mamba2_split_conv1d_scan_combined", ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D", "chunk_size")
 )
 
 
@@ -306,21 +298,10 @@ SELECTIVE_SCAN = Replacement(
 )
 
 
-def _make_mamba_inner(stock: Callable, backends: Backends) -> Callable:
-    def mamba_inner_fn(xz, *args, seq_idx=None, **kwargs):
-        if seq_idx is None:
-            return stock(xz, *args, **kwargs)
-        # No fused Mamba1 kernel resets at document starts (mamba-ssm 2.3.2.post1's MambaInnerFn takes no
-        # seq_idx), on any device: None sends the stock forward down its unfused path, whose conv and scan are
-        # compilepack's boundary-aware ops. Decided from static facts only.
-        return None
-
-    return mamba_inner_fn
-
-
-MAMBA_INNER = Replacement(
+# No fused Mamba1 kernel resets at document starts (mamba-ssm 2.3.2.post1's MambaInnerFn takes no seq_idx), on any
+# device: a packed batch always takes the mixer's unfused path.
+MAMBA_INNER = _unfused_when_packed(
     "mamba_inner_fn",
-    _make_mamba_inner,
     ("xz", "conv1d_weight", "conv1d_bias", "x_proj_weight", "delta_proj_weight", "out_proj_weight", "A"),
 )
 
