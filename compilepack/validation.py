@@ -81,11 +81,12 @@ def _refuse_unmarked_packing(batch: Mapping) -> None:
     if position_ids is None:
         return
     text_positions = position_ids[0] if position_ids.dim() == 3 else position_ids
-    restarts = (text_positions[:, 1:] != text_positions[:, :-1] + 1).nonzero()
-    if restarts.numel():
-        row, column = restarts[0].tolist()
+    restarts = _document_starts(text_positions, step=1)
+    restarts[:, 0] = False  # a row start is no restart
+    if restarts.any():
+        row, column = restarts.nonzero()[0].tolist()
         raise BoundaryError(
-            f"'position_ids' restart inside a row (row {row}, token {column + 1}) but the batch carries no "
+            f"'position_ids' restart inside a row (row {row}, token {column}) but the batch carries no "
             f"boundary kwargs ('cu_seq_lens_q', ...): compilepack never infers boundaries from position_ids, so "
             f"these documents would be mixed. Fix: {_FIX_COLLATE}, or wrap the collator with "
             f"compilepack.integrations.with_boundaries (adds them on the host from position_ids)."
@@ -168,13 +169,9 @@ def _check_seq_idx(batch: Mapping, boundaries: Boundaries) -> None:
         )
     if seq_idx.is_floating_point():
         raise BoundaryError(f"'seq_idx' must be an integer tensor (int32), got {seq_idx.dtype}.")
-    seq_idx = seq_idx.to("cpu")
     # seq_idx may number documents differently (the HF collator skips empty ones); what must agree is where
     # a new document starts.
-    given = torch.ones_like(seq_idx, dtype=torch.bool)
-    given[:, 1:] = seq_idx[:, 1:] != seq_idx[:, :-1]
-    wanted = torch.ones_like(given)
-    wanted[:, 1:] = boundaries.seq_idx[:, 1:] != boundaries.seq_idx[:, :-1]
+    given, wanted = _document_starts(seq_idx.to("cpu")), _document_starts(boundaries.seq_idx)
     if not torch.equal(given, wanted):
         row, column = (given != wanted).nonzero()[0].tolist()
         raise BoundaryError(
@@ -182,6 +179,14 @@ def _check_seq_idx(batch: Mapping, boundaries: Boundaries) -> None:
             f"{'starts' if bool(given[row, column]) else 'does not start'} there in seq_idx but "
             f"{'does' if bool(wanted[row, column]) else 'does not'} in cu_seq_lens_q. Build both from the same lengths."
         )
+
+
+def _document_starts(ids: torch.Tensor, step: int = 0) -> torch.Tensor:
+    """``[rows, T]`` bool: where a document starts, in document ids (``step`` 0: where the id changes) or in
+    positions (``step`` 1: where a position does not follow the previous one); every row start counts."""
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1] + step
+    return starts
 
 
 def _checked_position_ids(batch: Mapping, boundaries: Boundaries) -> torch.Tensor:
