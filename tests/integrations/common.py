@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -16,6 +18,21 @@ LOSS_TOLERANCE = 5e-6
 # Running the packed row as one sequence (documents mixed) moves these tiny random models' loss by 1.0e-3 to
 # 5.3e-3 (measured): well above the tolerance, so the comparison tells a correct packed step from a mixing one.
 MIXING_SHIFT = 2e-4
+# What the Trainer tests run: 3 compiled steps on the CPU, every loss logged, nothing saved or reported.
+TRAINING_ARGS = dict(
+    per_device_train_batch_size=4,
+    max_steps=3,
+    learning_rate=1e-3,
+    torch_compile=True,
+    torch_compile_backend="aot_eager",  # the same graphs as inductor, without its CPU code generation
+    remove_unused_columns=False,
+    report_to=[],
+    save_strategy="no",
+    logging_steps=1,
+    use_cpu=True,
+    dataloader_num_workers=0,
+    disable_tqdm=True,
+)
 
 
 def training_docs(vocab_size: int = 256, seed: int = 0) -> list[list[int]]:
@@ -45,6 +62,21 @@ def per_sample_loss(stock, batch) -> tuple[float, int]:
             total += F.cross_entropy(logits[:-1], labels[1:], reduction="sum", ignore_index=IGNORE_INDEX).item()
             targets += int((labels[1:] != IGNORE_INDEX).sum())
     return total / targets, targets
+
+
+def assert_first_step_equals_per_sample_loss(trainer, stock, samples: list[list[int]]) -> dict:
+    """A :func:`recording` trainer ran 3 steps of finite losses, and its first step's loss equals the per-sample
+    loss of ``stock`` on that batch, whose documents are training samples (and which, run as one sequence, would
+    give a loss off by more than :data:`MIXING_SHIFT`). Returns that first batch."""
+    losses = trainer.recorded_losses
+    assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses), losses
+    first = trainer.recorded_batches[0]
+    assert_batch_documents_are_samples(first, samples)
+    reference, targets = per_sample_loss(stock, first)
+    assert targets > 50
+    assert abs(losses[0] - reference) <= LOSS_TOLERANCE, (losses[0], reference)
+    assert abs(one_sequence_loss(stock, first) - reference) > MIXING_SHIFT
+    return first
 
 
 def one_sequence_loss(stock, batch) -> float:

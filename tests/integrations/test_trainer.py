@@ -7,7 +7,6 @@ loss combines a packed batch); all losses finite; no graph breaks.
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
@@ -17,12 +16,9 @@ import compilepack
 from compilepack.patching import family_named
 from tests.families import build_tiny
 from tests.integrations.common import (
-    LOSS_TOLERANCE,
-    MIXING_SHIFT,
-    assert_batch_documents_are_samples,
+    TRAINING_ARGS,
+    assert_first_step_equals_per_sample_loss,
     dynamo_counts,
-    one_sequence_loss,
-    per_sample_loss,
     recording,
     training_docs,
 )
@@ -39,22 +35,7 @@ def packed_fixed_shape():
 
 
 def training_args(tmp_path, **overrides) -> TrainingArguments:
-    args = dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        max_steps=3,
-        learning_rate=1e-3,
-        torch_compile=True,
-        torch_compile_backend="aot_eager",  # the same graphs as inductor, without its CPU code generation
-        remove_unused_columns=False,
-        report_to=[],
-        save_strategy="no",
-        logging_steps=1,
-        use_cpu=True,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
-    return TrainingArguments(**{**args, **overrides})
+    return TrainingArguments(**{"output_dir": str(tmp_path), **TRAINING_ARGS, **overrides})
 
 
 # Graphs: HF batches change length every step, so Trainer's torch.compile (dynamic=None) compiles once static,
@@ -83,13 +64,6 @@ def test_trainer_compiled_first_step_equals_per_sample_loss(tmp_path, family_nam
     trainer.train()
 
     assert isinstance(trainer.model_wrapped, torch._dynamo.eval_frame.OptimizedModule)
-    losses = trainer.recorded_losses
-    assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses), losses
-    first = trainer.recorded_batches[0]
-    assert_batch_documents_are_samples(first, samples)
-    reference, targets = per_sample_loss(stock, first)
-    assert targets > 50
-    assert abs(losses[0] - reference) <= LOSS_TOLERANCE, (losses[0], reference)
-    assert abs(one_sequence_loss(stock, first) - reference) > MIXING_SHIFT
+    assert_first_step_equals_per_sample_loss(trainer, stock, samples)
     graphs, breaks = dynamo_counts()
     assert breaks == 0 and 1 <= graphs <= max_graphs, (graphs, breaks)

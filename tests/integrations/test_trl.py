@@ -8,7 +8,6 @@ adds the kwargs for TRL versions or collators that emit ``position_ids`` only.
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
@@ -22,12 +21,11 @@ import compilepack  # noqa: E402
 from compilepack.boundaries import BOUNDARY_KEYS  # noqa: E402
 from compilepack.integrations import with_boundaries  # noqa: E402
 from compilepack.patching import family_named  # noqa: E402
-from tests.families import build_tiny
+from tests.families import build_tiny  # noqa: E402
 from tests.integrations.common import (  # noqa: E402
     LOSS_TOLERANCE,
-    MIXING_SHIFT,
-    assert_batch_documents_are_samples,
-    one_sequence_loss,
+    TRAINING_ARGS,
+    assert_first_step_equals_per_sample_loss,
     per_sample_loss,
     recording,
     training_docs,
@@ -56,19 +54,8 @@ def test_sft_trainer_padding_free_compiled_first_step_equals_per_sample_loss(tmp
         output_dir=str(tmp_path),
         padding_free=True,
         max_length=None,  # padding-free without packing: samples are used whole
-        per_device_train_batch_size=4,
-        max_steps=3,
-        learning_rate=1e-3,
         bf16=False,  # SFTConfig turns bf16 autocast on by default; see test_known_issues.py
-        torch_compile=True,
-        torch_compile_backend="aot_eager",
-        remove_unused_columns=False,
-        report_to=[],
-        save_strategy="no",
-        logging_steps=1,
-        use_cpu=True,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
+        **TRAINING_ARGS,
     )
     trainer = recording(SFTTrainer)(
         model=compilepack.patch(model),
@@ -81,15 +68,8 @@ def test_sft_trainer_padding_free_compiled_first_step_equals_per_sample_loss(tmp
     trainer.data_collator = with_boundaries(trainer.data_collator)
     trainer.train()
 
-    losses = trainer.recorded_losses
-    assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses), losses
-    first = trainer.recorded_batches[0]
+    first = assert_first_step_equals_per_sample_loss(trainer, stock, samples)
     assert "attention_mask" not in first
-    assert_batch_documents_are_samples(first, samples)
-    reference, targets = per_sample_loss(stock, first)
-    assert targets > 50
-    assert abs(losses[0] - reference) <= LOSS_TOLERANCE, (losses[0], reference)
-    assert abs(one_sequence_loss(stock, first) - reference) > MIXING_SHIFT
 
 
 @pytest.mark.parametrize("pad_to_multiple_of", [None, 16])
