@@ -67,10 +67,18 @@ class Workload:
 @dataclasses.dataclass(frozen=True)
 class Mode:
     name: str
-    description: str
     layout: str  # how a step's documents become a batch: see ``_LAYOUTS``
     patched: bool
     compile: str | None  # None: eager; "dynamic": torch.compile(dynamic=True); "static": plain torch.compile
+
+    @property
+    def description(self) -> str:
+        """The mode in words, from its fields: the model, the batches, and the compile as the worker applies it
+        (``fullgraph=True`` on patched models)."""
+        model = "compilepack.patch(model)" if self.patched else "stock model"
+        options = ["fullgraph=True"] * self.patched + ["dynamic=True"] * (self.compile == DYNAMIC)
+        compiled = "eager" if self.compile is EAGER else f"torch.compile({', '.join(options)})"
+        return f"{model}, {_LAYOUT_TEXTS[self.layout]}, {compiled}"
 
     def batches(self, workload: Workload) -> tuple[list[Batch], list[Batch]]:
         """(warm-up batches, timed batches). Eager modes warm up on a short batch (optimizer state, kernels);
@@ -108,42 +116,22 @@ def _fixed(steps, workload):
 
 _LAYOUTS = {"padded": _padded, "padded64": _padded64, "grouped": _padded, "hf_packed": _hf_packed, "fixed": _fixed}
 
+_LAYOUT_TEXTS = {
+    "padded": "batches right-padded to their longest sample in arrival order",
+    "padded64": "arrival-order batches padded to a multiple of 64",
+    "grouped": "padded batches cut from the length-sorted pool of 50 steps (HF Trainer group_by_length)",
+    "hf_packed": "the HF flattening collator's packed batch",
+    "fixed": "PackedCollator(fixed_shape=True) batches",
+}
+
 MODES = (
-    Mode(
-        "stock_padded_eager",
-        "stock model, batches right-padded to their longest sample in arrival order, eager",
-        "padded", patched=False, compile=EAGER,
-    ),
-    Mode(
-        "stock_padded_compiled",
-        "stock model, arrival-order batches padded to a multiple of 64, torch.compile(dynamic=True)",
-        "padded64", patched=False, compile=DYNAMIC,
-    ),
-    Mode(
-        "stock_grouped_eager",
-        "stock model, padded batches cut from the length-sorted pool of 50 steps (HF Trainer group_by_length), eager",
-        "grouped", patched=False, compile=EAGER,
-    ),
-    Mode(
-        "stock_packed",
-        "stock model given the HF flattening collator's packed batch, eager",
-        "hf_packed", patched=False, compile=EAGER,
-    ),
-    Mode(
-        "patched_packed_eager",
-        "compilepack.patch(model), HF flattening collator's packed batch, eager",
-        "hf_packed", patched=True, compile=EAGER,
-    ),
-    Mode(
-        "patched_packed_compiled",
-        "compilepack.patch(model), HF packed batch, torch.compile(fullgraph=True, dynamic=True)",
-        "hf_packed", patched=True, compile=DYNAMIC,
-    ),
-    Mode(
-        "patched_fixed_compiled",
-        "compilepack.patch(model), PackedCollator(fixed_shape=True) batches, torch.compile(fullgraph=True)",
-        "fixed", patched=True, compile=STATIC,
-    ),
+    Mode("stock_padded_eager", "padded", patched=False, compile=EAGER),
+    Mode("stock_padded_compiled", "padded64", patched=False, compile=DYNAMIC),
+    Mode("stock_grouped_eager", "grouped", patched=False, compile=EAGER),
+    Mode("stock_packed", "hf_packed", patched=False, compile=EAGER),
+    Mode("patched_packed_eager", "hf_packed", patched=True, compile=EAGER),
+    Mode("patched_packed_compiled", "hf_packed", patched=True, compile=DYNAMIC),
+    Mode("patched_fixed_compiled", "fixed", patched=True, compile=STATIC),
 )
 
 MODE_NAMES = tuple(mode.name for mode in MODES)

@@ -21,11 +21,11 @@ import pathlib
 import pkgutil
 import statistics
 import sys
-import time
 
 import torch
 
 from ..markdown import cell
+from ._common import alternating_ms
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,15 +112,7 @@ def _forward_backward(case, name, grads):
 
 
 def _alternating(case, grads, run, sync, warmup: int, repeats: int) -> dict:
-    times = {"stock": [], "packed": []}
-    for repeat in range(warmup + repeats):
-        for name in times:
-            sync()
-            start = time.perf_counter()
-            run(case, name, grads)
-            sync()
-            if repeat >= warmup:
-                times[name].append((time.perf_counter() - start) * 1e3)
+    times = alternating_ms(lambda name: run(case, name, grads), warmup, repeats, sync=sync)
     stock_ms, packed_ms = statistics.median(times["stock"]), statistics.median(times["packed"])
     return {
         "stock_ms": round(stock_ms, 3),

@@ -13,14 +13,9 @@ import types
 
 import torch
 
+from ._common import cu_seqlens_of, doc_lengths_of
+
 NAME = "attention"
-
-
-def doc_lengths_of(T: int, n_docs: int, generator: torch.Generator) -> list[int]:
-    """``n_docs`` random positive lengths summing to ``T``."""
-    cuts = torch.randperm(T - 1, generator=generator)[: n_docs - 1].add(1).sort().values.tolist()
-    bounds = [0, *cuts, T]
-    return [end - start for start, end in zip(bounds[:-1], bounds[1:])]
 
 
 def stock_packed_mask(lengths: list[int], heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
@@ -36,13 +31,7 @@ def stock_packed_mask(lengths: list[int], heads: int, kv_heads: int, head_dim: i
 
 
 def setup(
-    T: int = 2048,
-    n_docs: int = 16,
-    device: str = "cpu",
-    seed: int = 0,
-    *,
-    heads: int = 8,
-    kv_heads: int = 4,
+    T: int = 2048, n_docs: int = 16, device: str = "cpu", seed: int = 0, *, heads: int = 8, kv_heads: int = 4,
     head_dim: int = 64,
 ) -> dict:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -51,7 +40,7 @@ def setup(
 
     generator = torch.Generator().manual_seed(seed)
     lengths = doc_lengths_of(T, n_docs, generator)
-    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cu_seqlens = cu_seqlens_of(lengths, device)
     mask = stock_packed_mask(lengths, heads, kv_heads, head_dim).to(device)
     # [T, heads, head_dim]: the tokens-first layout of the packed op; stock sees the [1, heads, T, head_dim] view
     q = torch.randn(T, heads, head_dim, generator=generator).to(device).requires_grad_()

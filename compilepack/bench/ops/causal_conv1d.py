@@ -9,14 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from ._common import alternating_ms, doc_lengths_of, medians, seq_idx_of
+
 NAME = "causal_conv1d"
-
-
-def doc_lengths_of(T: int, n_docs: int, generator: torch.Generator) -> list[int]:
-    """``n_docs`` random positive lengths summing to ``T``."""
-    cuts = torch.randperm(T - 1, generator=generator)[: n_docs - 1].add(1).sort().values.tolist()
-    bounds = [0, *cuts, T]
-    return [end - start for start, end in zip(bounds[:-1], bounds[1:])]
 
 
 def setup(T: int = 2048, n_docs: int = 16, device: str = "cpu", seed: int = 0, *, dim: int = 1024, width: int = 4):
@@ -28,12 +23,10 @@ def setup(T: int = 2048, n_docs: int = 16, device: str = "cpu", seed: int = 0, *
     from compilepack.ops.causal_conv1d import causal_conv1d_varlen
 
     generator = torch.Generator().manual_seed(seed)
-    lengths = doc_lengths_of(T, n_docs, generator)
-    seq_idx = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None].to(torch.int32)
+    seq_idx = seq_idx_of(doc_lengths_of(T, n_docs, generator), device)
     x = torch.randn(1, T, dim, generator=generator).transpose(1, 2).to(device).requires_grad_()
     weight = torch.randn(dim, width, generator=generator).mul_(width**-0.5).to(device).requires_grad_()
     bias = torch.randn(dim, generator=generator).mul_(0.1).to(device).requires_grad_()
-    seq_idx = seq_idx.to(device)
     on_cuda_kernel = device.startswith("cuda") and backends.is_installed("causal_conv1d")
     backend = "causal_conv1d" if on_cuda_kernel else backends.REFERENCE
 
@@ -47,34 +40,15 @@ def setup(T: int = 2048, n_docs: int = 16, device: str = "cpu", seed: int = 0, *
 
 
 def _main() -> None:
-    """Stock vs packed on 2 threads. Timings alternate stock and packed so that load from other processes
-    hits both alike; the ratio is the median of the per-repeat ratios."""
-    import statistics
-    import time
-
+    """Stock vs packed on 2 threads (alternating, see ``alternating_ms``); the ratio is the median of the
+    per-repeat ratios."""
     torch.set_num_threads(2)
-
-    def once_ms(fn) -> float:
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e3
-
     for dim in (512, 1024):
         case = setup(dim=dim)
         grad = torch.randn(1, dim, 2048)  # [B, D, T]-contiguous: the op transposes it (a model's grad is not)
-        modes = {
-            "fwd": lambda fn: torch.no_grad()(fn)(),
-            "fwd+bwd": lambda fn: fn().backward(grad),
-        }
+        modes = {"fwd": lambda fn: torch.no_grad()(fn)(), "fwd+bwd": lambda fn: fn().backward(grad)}
         for mode, run in modes.items():
-            times = {"stock": [], "packed": []}
-            for repeat in range(24):
-                for name in times:
-                    elapsed = once_ms(lambda: run(case[name]))
-                    if repeat >= 3:  # warm-up
-                        times[name].append(elapsed)
-            ratio = statistics.median(p / s for p, s in zip(times["packed"], times["stock"]))
-            stock, packed = statistics.median(times["stock"]), statistics.median(times["packed"])
+            stock, packed, ratio = medians(alternating_ms(lambda name: run(case[name]), warmup=3, repeats=21))
             print(f"D={dim} T=2048 16 docs W=4 silu {mode:8s} stock {stock:6.2f} ms  packed {packed:6.2f} ms  "
                   f"packed/stock {ratio:.2f}x")
 

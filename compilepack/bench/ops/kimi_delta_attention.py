@@ -16,14 +16,9 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ._common import alternating_ms, cu_seqlens_of, delta_rule_case, doc_lengths_of, medians
+
 NAME = "kimi_delta_attention"
-
-
-def doc_lengths_of(T: int, n_docs: int, generator: torch.Generator) -> list[int]:
-    """``n_docs`` random positive lengths summing to ``T``."""
-    cuts = torch.randperm(T - 1, generator=generator)[: n_docs - 1].add(1).sort().values.tolist()
-    bounds = [0, *cuts, T]
-    return [end - start for start, end in zip(bounds[:-1], bounds[1:])]
 
 
 def kimi_gate(T: int, heads: int, head_dim: int, generator: torch.Generator) -> torch.Tensor:
@@ -45,22 +40,12 @@ def setup(
     # the torch fallback itself: the hub-kernel wrapper around it only adds a warning and a kwargs filter
     stock_kda = inspect.unwrap(modeling_kimi_linear.chunk_kimi_delta_attention)
     generator = torch.Generator().manual_seed(seed)
-    lengths = doc_lengths_of(T, n_docs, generator)
-    cu_seqlens = F.pad(torch.tensor(lengths).cumsum(0), (1, 0)).to(torch.int32).to(device)
+    cu_seqlens = cu_seqlens_of(doc_lengths_of(T, n_docs, generator), device)
     q, k, v = (torch.randn(1, T, heads, head_dim, generator=generator) for _ in range(3))
     g = kimi_gate(T, heads, head_dim, generator)
     beta = torch.randn(1, T, heads, generator=generator).sigmoid()
     inputs = [x.to(device).requires_grad_() for x in (q, k, v, g, beta)]
-    backend = "fla" if device.startswith("cuda") else "reference"
-
-    def stock():
-        q, k, v, g, beta = inputs
-        return stock_kda(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]
-
-    def packed():
-        return kimi_delta_attention_varlen(*inputs, cu_seqlens, use_qk_l2norm=True, backend=backend)
-
-    return {"stock": stock, "packed": packed, "inputs": inputs}
+    return delta_rule_case(stock_kda, kimi_delta_attention_varlen, inputs, cu_seqlens, device)
 
 
 def _main() -> None:
@@ -70,7 +55,6 @@ def _main() -> None:
     median of the per-repeat ratios. With 1 thread the clock is the process's CPU time, which other processes
     on shared cores do not inflate; with more, wall time (a loaded machine stretches every multi-threaded call).
     """
-    import statistics
     import sys
     import time
 
@@ -79,29 +63,14 @@ def _main() -> None:
     head_dims = [int(d) for d in sys.argv[3].split(",")] if len(sys.argv) > 3 else [64, 128]
     torch.set_num_threads(threads)
     clock = time.process_time if threads == 1 else time.perf_counter
-
-    def once_ms(fn) -> float:
-        start = clock()
-        fn()
-        return (clock() - start) * 1e3
-
     for dim in head_dims:
         heads = 4
         case = setup(heads=heads, head_dim=dim)
         grad = torch.randn(1, 2048, heads, dim)
-        modes = {
-            "fwd": lambda fn: torch.no_grad()(fn)(),
-            "fwd+bwd": lambda fn: fn().backward(grad),
-        }
+        modes = {"fwd": lambda fn: torch.no_grad()(fn)(), "fwd+bwd": lambda fn: fn().backward(grad)}
         for mode, run in modes.items():
-            times = {"stock": [], "packed": []}
-            for repeat in range(repeats + 1):
-                for name in times:
-                    elapsed = once_ms(lambda: run(case[name]))
-                    if repeat >= 1:  # warm-up
-                        times[name].append(elapsed)
-            ratio = statistics.median(p / s for p, s in zip(times["packed"], times["stock"]))
-            stock, packed = statistics.median(times["stock"]), statistics.median(times["packed"])
+            times = alternating_ms(lambda name: run(case[name]), warmup=1, repeats=repeats, clock=clock)
+            stock, packed, ratio = medians(times)
             print(
                 f"{threads} thread(s) H=HV={heads} K=V={dim} T=2048 16 docs {mode:8s} stock {stock:8.1f} ms  "
                 f"packed {packed:7.1f} ms  packed/stock {ratio:.3f}x",

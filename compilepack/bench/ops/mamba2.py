@@ -10,19 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from ._common import alternating_ms, doc_lengths_of, medians, seq_idx_of, with_fresh_grads
+
 NAME = "mamba2"
-
-
-def doc_lengths_of(T: int, n_docs: int, generator: torch.Generator) -> list[int]:
-    """``n_docs`` random positive lengths summing to ``T``."""
-    cuts = torch.randperm(T - 1, generator=generator)[: n_docs - 1].add(1).sort().values.tolist()
-    bounds = [0, *cuts, T]
-    return [end - start for start, end in zip(bounds[:-1], bounds[1:])]
-
-
-def _seq_idx(lengths: list[int], device: str) -> torch.Tensor:
-    ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    return ids.to(torch.int32)[None].to(device)
 
 
 def _backend(device: str) -> str:
@@ -30,23 +20,15 @@ def _backend(device: str) -> str:
 
 
 def setup(
-    T: int = 2048,
-    n_docs: int = 16,
-    device: str = "cpu",
-    seed: int = 0,
-    *,
-    chunk_size: int = 256,
-    heads: int = 8,
-    head_dim: int = 64,
-    groups: int = 1,
-    state_size: int = 64,
+    T: int = 2048, n_docs: int = 16, device: str = "cpu", seed: int = 0, *, chunk_size: int = 256, heads: int = 8,
+    head_dim: int = 64, groups: int = 1, state_size: int = 64,
 ) -> dict:
     from transformers.models.bamba.modeling_bamba import mamba2_chunk_scan
 
     from compilepack.ops.mamba2 import mamba2_chunk_scan_varlen
 
     generator = torch.Generator().manual_seed(seed)
-    seq_idx = _seq_idx(doc_lengths_of(T, n_docs, generator), device)
+    seq_idx = seq_idx_of(doc_lengths_of(T, n_docs, generator), device)
     x = torch.randn(1, T, heads, head_dim, generator=generator)
     dt = torch.randn(1, T, heads, generator=generator) - 2.0
     A = -torch.empty(heads).uniform_(1.0, 8.0, generator=generator)
@@ -70,36 +52,20 @@ def setup(
 
 
 def _main() -> None:
-    """Stock vs packed on 2 threads. Timings alternate stock and packed so that load from other processes
-    hits both alike; each number is a median over repeats, the ratio the median of per-repeat ratios."""
-    import statistics
-    import time
-
+    """Stock vs packed on 2 threads (alternating, which one first too, see ``alternating_ms``); each number is a
+    median over repeats, the ratio the median of per-repeat ratios."""
     from transformers.utils import logging
 
     logging.set_verbosity_error()  # the stock functions warn once that mamba-ssm is not installed
     torch.set_num_threads(2)
-
-    def once_ms(fn) -> float:
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e3
-
     cases = [(f"scan chunk {c}", setup(chunk_size=c)) for c in (64, 256)]
     for label, case in cases:
         grad = torch.randn_like(case["stock"]().detach())
         modes = {"fwd": lambda fn: fn(), "fwd+bwd": lambda fn: fn().backward(grad)}
         for mode, run in modes.items():
-            times = {"stock": [], "packed": []}
-            for repeat in range(9):
-                for name in ("stock", "packed") if repeat % 2 else ("packed", "stock"):
-                    for tensor in case["inputs"]:
-                        tensor.grad = None
-                    times[name].append(once_ms(lambda: run(case[name])))
-            times = {name: values[2:] for name, values in times.items()}  # warm-up
-            ratio = statistics.median(p / s for p, s in zip(times["packed"], times["stock"]))
-            print(f"{label:>14} {mode:>8}: stock {statistics.median(times['stock']):7.1f} ms  "
-                  f"packed {statistics.median(times['packed']):7.1f} ms  ratio {ratio:.2f}")
+            times = alternating_ms(with_fresh_grads(case, run), warmup=2, repeats=7, swap=True)
+            stock, packed, ratio = medians(times)
+            print(f"{label:>14} {mode:>8}: stock {stock:7.1f} ms  packed {packed:7.1f} ms  ratio {ratio:.2f}")
 
 
 if __name__ == "__main__":

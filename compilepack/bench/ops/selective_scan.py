@@ -17,32 +17,20 @@ import math
 
 import torch
 
+from ._common import alternating_ms, doc_lengths_of, medians, seq_idx_of, with_fresh_grads
+
 NAME = "selective_scan"
 
 
-def doc_lengths_of(T: int, n_docs: int, generator: torch.Generator) -> list[int]:
-    """``n_docs`` random positive lengths summing to ``T``."""
-    cuts = torch.randperm(T - 1, generator=generator)[: n_docs - 1].add(1).sort().values.tolist()
-    bounds = [0, *cuts, T]
-    return [end - start for start, end in zip(bounds[:-1], bounds[1:])]
-
-
 def setup(
-    T: int = 2048,
-    n_docs: int = 16,
-    device: str = "cpu",
-    seed: int = 0,
-    *,
-    dim: int = 512,
-    state_size: int = 16,
+    T: int = 2048, n_docs: int = 16, device: str = "cpu", seed: int = 0, *, dim: int = 512, state_size: int = 16
 ) -> dict:
     from transformers.models.mamba.modeling_mamba import mamba_selective_scan
 
     from compilepack.ops.selective_scan import selective_scan_varlen
 
     generator = torch.Generator().manual_seed(seed)
-    lengths = doc_lengths_of(T, n_docs, generator)
-    seq_idx = torch.repeat_interleave(torch.arange(n_docs), torch.tensor(lengths)).to(torch.int32)[None].to(device)
+    seq_idx = seq_idx_of(doc_lengths_of(T, n_docs, generator), device)
     channel_last = lambda rows: torch.randn(1, T, rows, generator=generator).transpose(1, 2)  # noqa: E731
     u, z = channel_last(dim), channel_last(dim)
     B, C = channel_last(state_size), channel_last(state_size)
@@ -66,11 +54,9 @@ def setup(
 
 
 def _main() -> None:
-    """Stock vs packed on 2 threads. Timings alternate stock and packed so that load from other processes
-    hits both alike; each number is a median over repeats, the ratio the median of per-repeat ratios."""
-    import statistics
+    """Stock vs packed on 2 threads (alternating, which one first too, see ``alternating_ms``); each number is a
+    median over repeats, the ratio the median of per-repeat ratios."""
     import sys
-    import time
 
     from transformers.utils import logging
 
@@ -78,28 +64,16 @@ def _main() -> None:
     torch.set_num_threads(2)
     repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 9
     only = sys.argv[2] if len(sys.argv) > 2 else None  # "fwd" or "fwd+bwd"
-
-    def once_ms(fn) -> float:
-        start = time.perf_counter()
-        fn()
-        return (time.perf_counter() - start) * 1e3
-
     case = setup()
     grad = torch.randn_like(case["stock"]().detach())
     modes = {"fwd": lambda fn: fn(), "fwd+bwd": lambda fn: fn().backward(grad)}
     for mode, run in modes.items():
         if only is not None and mode != only:
             continue
-        times = {"stock": [], "packed": []}
-        for repeat in range(repeats):
-            for name in ("stock", "packed") if repeat % 2 else ("packed", "stock"):
-                for tensor in case["inputs"]:
-                    tensor.grad = None
-                times[name].append(once_ms(lambda: run(case[name])))
-        times = {name: values[1:] for name, values in times.items()}  # warm-up
-        ratio = statistics.median(p / s for p, s in zip(times["packed"], times["stock"]))
-        print(f"selective scan T=2048 16 docs {mode:>8}: stock {statistics.median(times['stock']):7.1f} ms  "
-              f"packed {statistics.median(times['packed']):7.1f} ms  ratio {ratio:.2f}", flush=True)
+        times = alternating_ms(with_fresh_grads(case, run), warmup=1, repeats=repeats - 1, swap=True)
+        stock, packed, ratio = medians(times)
+        print(f"selective scan T=2048 16 docs {mode:>8}: stock {stock:7.1f} ms  packed {packed:7.1f} ms  "
+              f"ratio {ratio:.2f}", flush=True)
 
 
 if __name__ == "__main__":
