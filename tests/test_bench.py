@@ -1,67 +1,280 @@
-"""Smoke test of the benchmark's plumbing on tiny models (seconds, not a measurement): JSON shape, every mode
-present, a mode that fails recorded as an error, a mode past its time limit stopped and recorded."""
+"""The benchmark's plumbing on small models (seconds, not a measurement): the report's shape, round-robin rounds
+across warm workers, paired ratios and the met / missed / not decided rule, a failing mode recorded, a mode past
+its time limit or whose process dies stopped and recorded."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 
-from compilepack.bench import modes
-from compilepack.bench.worker import ModeSpec, measure_mode
+from compilepack.bench import bars, modes
+from compilepack.bench import report as report_module
+from compilepack.bench.isolation import LocalWorker, ProcessContext
+from compilepack.bench.rounds import round_order, run_family
+from compilepack.bench.worker import ModeSpec, measure_mode, summarize_rounds
 from compilepack.cli import main
 from compilepack.patching import family_named
 from tests.families import tiny_config
 
-TINY = modes.Workload(tokens_per_step=256, steps=1)
-RESULT_KEYS = {"family", "mode", "tokens_per_s", "compile_s", "graphs", "graph_breaks", "compiles", "peak_mem_mb",
-               "max_logit_diff", "error"}
+TINY = modes.Workload(tokens_per_step=256, steps=2)
+RESULT_KEYS = {"family", "mode", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "compile_s", "graphs",
+               "graph_breaks", "compiles", "peak_mem_mb", "max_logit_diff", "error", "step_s", "timed", "rounds"}
+BAR_KEYS = {"family", "bar", "value", "min", "max", "target", "status", "met", "detail"}
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    argv = ["bench", "--model", "llama", "--tokens-per-step", "256", "--steps", "1",
+    argv = ["bench", "--model", "llama", "--tokens-per-step", "256", "--steps", "2",
             "--compile-backend", "eager", "--no-progress", "--out", str(out)]
     assert main(argv) == 0
     (json_path,) = out.glob("cpu-*.json")
-    assert json_path.with_suffix(".md").exists() and json_path.with_suffix(".png").stat().st_size > 0
-    return json.loads(json_path.read_text())
+    assert json_path.with_suffix(".png").stat().st_size > 0
+    return json.loads(json_path.read_text()), json_path.with_suffix(".md").read_text()
 
 
 def test_report_has_the_documented_shape(report):
+    report, _ = report
     assert report["device"] == "cpu" and report["torch"] and report["transformers"]
-    assert [r["mode"] for r in report["results"]] == list(modes.MODE_NAMES)
+    settings = report["settings"]
+    assert settings["steps"] == 2 and settings["mode_set"] == "default"
+    assert settings["modes"] == list(modes.DEFAULT_MODES) == [r["mode"] for r in report["results"]]
+    assert set(settings["left_out"]) == {"stock_padded_compiled", "patched_fixed_compiled"}
+    assert settings["round_order"] == [list(modes.DEFAULT_MODES), [*modes.DEFAULT_MODES[1:], modes.DEFAULT_MODES[0]]]
     for result in report["results"]:
         assert RESULT_KEYS <= set(result), result["mode"]
-        assert result["family"] == "llama"
-        assert result["error"] is None, result["error"]
-        assert result["tokens_per_s"] > 0
+        assert result["family"] == "llama" and result["error"] is None, result["error"]
+        assert result["tokens_per_s_min"] <= result["tokens_per_s"] <= result["tokens_per_s_max"]
+        assert [r["round"] for r in result["rounds"]] == [0, 1]
+        per_round = 3 if result["mode"] == "stock_grouped_eager" else 1
+        assert len(result["timed"]) == 2 * per_round
+        for step in result["timed"]:
+            assert step["tokens"] > 0 and step["seconds"] > 0 and step["load_avg"] is not None
+    for bar in report["bars"]:
+        assert BAR_KEYS <= set(bar) and bar["status"] in ("met", "missed", "not decided", "n/a")
+        assert bar["met"] == {"met": True, "missed": False}.get(bar["status"])
+
+
+def test_markdown_shows_medians_ranges_and_what_was_left_out(report):
+    report, markdown = report
+    padded = next(r for r in report["results"] if r["mode"] == "stock_padded_eager")
+    assert report_module.tokens_cell(padded) in markdown
+    assert "[" in report_module.tokens_cell(padded) or padded["tokens_per_s_min"] == padded["tokens_per_s_max"]
+    assert "`stock_padded_compiled`" in markdown and "--full" in markdown
+    assert "| family | bar | median [min-max] | target | status | detail |" in markdown
 
 
 def test_figures_are_consistent(report):
+    report, _ = report
     by_mode = {r["mode"]: r for r in report["results"]}
-    for mode in ("patched_packed_eager", "patched_packed_compiled", "patched_fixed_compiled"):
+    for mode in ("patched_packed_eager", "patched_packed_compiled"):
         assert by_mode[mode]["max_logit_diff"] < 1e-4  # packed == alone
     assert by_mode["patched_packed_compiled"]["graphs"] == 1
     assert by_mode["patched_packed_compiled"]["graph_breaks"] == 0
     assert all(0 <= r["padding_frac"] < 1 for r in report["results"])
     assert by_mode["patched_packed_eager"]["padding_frac"] == 0  # the HF collator's row has no padding
     assert by_mode["stock_padded_eager"]["speedup_vs"]["stock_padded_eager"] == 1.0
-    assert {bar["family"] for bar in report["bars"]} == {"llama"}
+    # rounds are paired on the same documents: round r has the same real tokens in every arrival-order mode
+    tokens = {mode: [r["tokens"] for r in by_mode[mode]["rounds"]] for mode in by_mode if "grouped" not in mode}
+    assert len({tuple(t) for t in tokens.values()}) == 1, tokens
+    # the step in round r that ran at position p of the rotated order
+    for mode, result in by_mode.items():
+        for entry in result["rounds"]:
+            assert report["settings"]["round_order"][entry["round"]][entry["position"]] == mode
+    compile_bar = next(b for b in report["bars"] if b["bar"].startswith("patched compile time"))
+    assert compile_bar["status"] == "n/a" and "stock_padded_compiled not run" in compile_bar["detail"]
+
+
+# ------------------------------------------------------------------------------------------------ rounds
+
+
+def test_round_robin_visits_every_mode_once_per_round_and_rotates():
+    names = ["a", "b", "c", "d", "e"]
+    orders = [round_order(names, r) for r in range(7)]
+    assert all(sorted(order) == names for order in orders)
+    assert [order[0] for order in orders] == ["a", "b", "c", "d", "e", "a", "b"]
+    assert orders[1] == ["b", "c", "d", "e", "a"]
+
+
+class FakeWorker:
+    """Records the driver's calls; fails where told."""
+
+    def __init__(self, mode, calls, fail_ready=False, fail_round=None):
+        self.spec, self.result, self.calls = mode, {"mode": mode, "error": None}, calls
+        self.fail_ready, self.fail_round = fail_ready, fail_round
+
+    def start(self):
+        self.calls.append(("start", self.spec))
+
+    def await_ready(self, timeout_s):
+        self.calls.append(("ready", self.spec))
+        if self.fail_ready:
+            self.result["error"] = "ValueError: refused"
+        return not self.fail_ready
+
+    def run_round(self, index, position, timeout_s):
+        self.calls.append(("round", index, position, self.spec))
+        if index == self.fail_round:
+            self.result["error"] = "TimeoutError: did not finish round 2"
+            return False
+        return True
+
+    def finish(self, timeout_s):
+        self.calls.append(("finish", self.spec))
+        return self.result
+
+    def stop(self):
+        pass
+
+
+def test_driver_warms_every_worker_before_any_round_and_skips_ended_modes():
+    calls = []
+    workers = {m: FakeWorker(m, calls, fail_ready=m == "b", fail_round=1 if m == "c" else None) for m in "abcd"}
+    results = run_family(workers, rounds=3, warmup_timeout_s=1, step_timeout_s=1)
+    assert [r["mode"] for r in results] == list("abcd")
+    assert calls[:4] == [("start", m) for m in "abcd"]  # concurrent: every worker started before any waiting
+    first_round = next(i for i, call in enumerate(calls) if call[0] == "round")
+    assert all(call[0] == "ready" for call in calls[4:first_round])
+    rounds = [call[1:] for call in calls if call[0] == "round"]
+    assert rounds == [(0, 0, "a"), (0, 1, "c"), (0, 2, "d"),  # b never got ready
+                      (1, 0, "c"), (1, 1, "d"), (1, 2, "a"),  # c fails in round 1
+                      (2, 0, "d"), (2, 1, "a")]
+    assert results[1]["error"].startswith("ValueError") and results[2]["error"].startswith("TimeoutError")
+
+
+def test_serial_warmup_starts_each_worker_after_the_previous_one_is_ready():
+    calls = []
+    run_family({m: FakeWorker(m, calls) for m in "ab"}, rounds=1, warmup_timeout_s=1, step_timeout_s=1,
+               concurrent=False)
+    assert calls[:4] == [("start", "a"), ("ready", "a"), ("start", "b"), ("ready", "b")]
+
+
+@pytest.mark.parametrize("isolation", ["process", "none"])
+def test_warm_workers_run_their_rounds_in_turn(isolation, tmp_path):
+    workload = modes.Workload(tokens_per_step=128, steps=2)
+    make = ProcessContext().worker if isolation == "process" else LocalWorker
+    names = ["stock_padded_eager", "patched_packed_eager"]
+    workers = {name: make(ModeSpec("llama", name, workload, config=tiny_config(family_named("llama")),
+                                   log_path=str(tmp_path / f"{name}.log"))) for name in names}
+    results = run_family(workers, rounds=2, warmup_timeout_s=120, step_timeout_s=120)
+    positions = {r["mode"]: [(step["round"], step["position"]) for step in r["timed"]] for r in results}
+    assert positions == {"stock_padded_eager": [(0, 0), (1, 1)], "patched_packed_eager": [(0, 1), (1, 0)]}
+    assert all(r["error"] is None and r["tokens_per_s"] > 0 and r["peak_mem_mb"] is not None for r in results)
+    assert len(bars.paired_ratios(results[1], results[0])) == 2
+
+
+# ------------------------------------------------------------------------------------------------ paired ratios
+
+
+def _result(mode, per_round, family="llama", compiled=()):
+    timed = [{"round": r, "position": 0, "tokens": 1000, "seconds": 1000 / tps, "load_avg": 1.0,
+              "compiled": r in compiled} for r, tps in enumerate(per_round) if tps]
+    return {"family": family, "mode": mode, "error": None, **summarize_rounds(timed)}
+
+
+def test_summary_is_the_median_of_rounds_without_compiles():
+    result = _result("patched_packed_compiled", [100, 400, 300, 200], compiled={0})
+    assert (result["tokens_per_s"], result["tokens_per_s_min"], result["tokens_per_s_max"]) == (300, 200, 400)
+    assert not result["steady"]
+    grouped = summarize_rounds([{"round": 0, "position": 1, "tokens": t, "seconds": s, "load_avg": 0.5,
+                                 "compiled": False} for t, s in ((600, 2.0), (300, 0.5), (100, 0.5))])
+    assert grouped["rounds"][0]["tokens"] == 1000 and grouped["tokens_per_s"] == 333.3  # 1000 tokens in 3 s
+
+
+def test_paired_ratios_divide_round_by_round():
+    # medians alone would say 2.0; the pairs say 1.5, 3, 2: a slow round slows both sides
+    patched = _result("patched_packed_eager", [300, 600, 800])
+    padded = _result("stock_padded_eager", [200, 200, 400])
+    assert bars.paired_ratios(patched, padded) == [1.5, 3.0, 2.0]
+    # only rounds both measured, only rounds that did not compile
+    partial = _result("stock_padded_eager", [200, 0, 400])
+    compiled = _result("patched_packed_compiled", [900, 600, 800], compiled={0})
+    assert bars.paired_ratios(compiled, partial) == [2.0]
+
+
+def test_a_bar_whose_rounds_straddle_the_target_is_not_decided():
+    entry = next(b for b in bars.evaluate([_result("patched_packed_eager", [1200, 1100, 1000]),
+                                           _result("stock_grouped_eager", [1000, 1000, 1000])])
+                 if "grouped" in b["bar"])
+    assert (entry["value"], entry["min"], entry["max"]) == (1.1, 1.0, 1.2)
+    assert entry["status"] == "not decided" and entry["met"] is None
+    # the same median, but above the target in a round and below it in none: here the spreads decide
+    met = next(b for b in bars.evaluate([_result("patched_packed_eager", [1200, 1160, 1150]),
+                                         _result("stock_grouped_eager", [1000, 1000, 1000])]) if "grouped" in b["bar"])
+    assert met["status"] == "met" and met["met"] is True
+    missed = next(b for b in bars.evaluate([_result("patched_packed_eager", [1140, 1000, 900]),
+                                            _result("stock_grouped_eager", [1000, 1000, 1000])])
+                  if "grouped" in b["bar"])
+    assert missed["status"] == "missed" and missed["met"] is False
+
+
+def test_status_rule_at_the_edges():
+    assert bars.status(1.15, 1.3, 1.15) == "met"
+    assert bars.status(1.0, 1.1499, 1.15) == "missed"
+    assert bars.status(1.1, 1.2, 1.15) == "not decided"
+    assert bars.status(0.8, 0.9, 1.0, higher_is_better=False) == "met"  # compile time: lower is better
+    assert bars.status(1.1, 1.1, 1.0, higher_is_better=False) == "missed"
+
+
+def test_patched_packed_is_the_better_median_and_its_own_rounds_are_paired():
+    results = [_result("stock_padded_eager", [100, 100, 50]),
+               _result("patched_packed_eager", [450, 600, 400]),
+               _result("patched_packed_compiled", [700, 400, 300])]  # median 400 < eager's 450
+    entry = next(b for b in bars.evaluate(results) if "5x" in b["bar"])
+    assert entry["detail"].startswith("patched_packed_eager vs stock_padded_eager")
+    assert entry["ratios"] == [4.5, 6.0, 8.0] and entry["status"] == "not decided" and entry["value"] == 6.0
+    compiled_bar = next(b for b in bars.evaluate(results) if "no slower" in b["bar"])
+    assert compiled_bar["ratios"] == pytest.approx([700 / 450, 400 / 600, 300 / 400], abs=1e-3)
+
+
+def test_a_missing_mode_makes_its_bars_not_applicable():
+    entries = bars.evaluate([_result("patched_packed_eager", [500, 500])])
+    grouped = next(b for b in entries if "grouped" in b["bar"])
+    assert grouped["status"] == "n/a" and grouped["met"] is None and "stock_grouped_eager not run" in grouped["detail"]
+
+
+# ------------------------------------------------------------------------------------------------ failures
 
 
 def test_a_failing_mode_is_recorded_not_raised():
     # stock Qwen3.5 refuses the HF collator's boundary kwargs without the causal_conv1d CUDA package
     result = measure_mode(ModeSpec("qwen3_5", "stock_packed", TINY, config=tiny_config(family_named("qwen3_5"))))
     assert result["error"].startswith("ValueError") and "causal_conv1d" in result["error"]
-    assert result["tokens_per_s"] is None
+    assert result["tokens_per_s"] is None and result["rounds"] == []
     assert result["max_logit_diff_position_ids_only"] > 1e-3  # and with position_ids only, it leaks
 
 
-def test_a_mode_past_its_time_limit_is_stopped_and_recorded():
-    from compilepack.bench.isolation import ModeRunner
+def _process_worker(tmp_path, mode="stock_padded_eager"):
+    spec = ModeSpec("llama", mode, TINY, config=tiny_config(family_named("llama")), log_path=str(tmp_path / "w.log"))
+    worker = ProcessContext().worker(spec)
+    worker.start()
+    return worker
 
-    spec = ModeSpec("llama", "stock_padded_eager", TINY, config=tiny_config(family_named("llama")))
-    result = ModeRunner().run(spec, timeout_s=0.01)
-    assert result["error"].startswith("TimeoutError") and result["mode"] == "stock_padded_eager"
+
+def test_a_mode_past_its_warmup_limit_is_stopped_and_recorded(tmp_path):
+    worker = _process_worker(tmp_path)
+    assert not worker.await_ready(timeout_s=0.01)
+    assert worker.result["error"].startswith("TimeoutError: did not finish getting ready within 0 s (during ")
+    assert worker.result["mode"] == "stock_padded_eager" and not worker._process.is_alive()
+
+
+def test_a_mode_past_its_step_limit_is_stopped_with_what_it_measured(tmp_path):
+    worker = _process_worker(tmp_path)
+    assert worker.await_ready(timeout_s=120)
+    assert worker.run_round(0, 0, timeout_s=120)
+    assert not worker.run_round(1, 0, timeout_s=0.001)  # no training step answers within a millisecond
+    result = worker.finish(timeout_s=120)
+    assert result["error"].startswith("TimeoutError: did not finish round 2 within 0 s (during round 2")
+    assert [r["round"] for r in result["rounds"]] == [0] and result["tokens_per_s"] > 0
+    assert not worker._process.is_alive()
+
+
+def test_a_dying_worker_is_recorded(tmp_path):
+    worker = _process_worker(tmp_path)
+    assert worker.await_ready(timeout_s=120)
+    os.kill(worker._process.pid, signal.SIGKILL)
+    assert not worker.run_round(0, 0, timeout_s=120)
+    assert worker.result["error"].startswith("the mode's process died (exit code -9)")

@@ -1,21 +1,32 @@
-"""The issue's bars, checked per family against one run's results.
+"""The issue's bars, checked per family against one run's results, on paired ratios.
 
 - patched packed (best of eager/compiled) >= 5x the faster arrival-order stock padded mode
 - patched packed >= 1.15x stock padded grouped by length (the strongest stock option)
 - where stock packed runs (Llama's dense mask): patched packed >= 3x stock packed
 - patched compiled no slower than patched eager (within ``NOISE``), and its compile no longer than stock's
+
+A speed bar compares two modes round by round: the modes ran their timed round ``r`` one right after the other
+(see ``rounds``), so ``ratio_r`` = tokens/s of mode A in round r / tokens/s of mode B in round r sees the same
+machine load on both sides. The bar's ``value`` is the median of the paired ratios, ``min`` and ``max`` their
+range, and its ``status``: "met" only if even the smallest ratio reaches the target, "missed" only if even the
+largest falls short, "not decided" when the rounds straddle the target, "n/a" when a figure is missing. ``met``
+is True / False / None (not decided or n/a), as before. "Patched packed" is whichever of patched eager and
+patched compiled has the higher median tokens/s; the paired ratios are that mode's.
 """
 
 from __future__ import annotations
+
+import statistics
 
 NOISE = 0.05  # run-to-run spread of a 2-core CPU step time: "no slower" allows 5%
 
 ARRIVAL_MODES = ("stock_padded_eager", "stock_padded_compiled")
 PATCHED_PACKED = ("patched_packed_eager", "patched_packed_compiled")
+MET, MISSED, NOT_DECIDED, NA = "met", "missed", "not decided", "n/a"
 
 
 def evaluate(results: list[dict]) -> list[dict]:
-    """One entry per (family, bar): value, target, met (True/False, None when a figure is missing), detail."""
+    """One entry per (family, bar): value (median), min, max, target, status, met, detail."""
     bars = []
     for family in dict.fromkeys(r["family"] for r in results):
         by_mode = {r["mode"]: r for r in results if r["family"] == family}
@@ -24,10 +35,36 @@ def evaluate(results: list[dict]) -> list[dict]:
 
 
 def tokens_per_s(by_mode: dict, mode: str) -> float | None:
+    """The mode's median tokens/s, None without one (not run, failed before a round, no round measured). A mode
+    stopped after some rounds keeps the rounds it measured."""
     result = by_mode.get(mode)
-    if result is None or result.get("error") or not result.get("tokens_per_s"):
+    if result is None or not result.get("tokens_per_s"):
         return None
     return result["tokens_per_s"]
+
+
+def round_tokens_per_s(result: dict) -> dict[int, float]:
+    """round -> tokens/s of the rounds the mode's median is taken over (those that did not compile, or all)."""
+    rounds = [r for r in result.get("rounds") or [] if r.get("tokens_per_s")]
+    steady = [r for r in rounds if not r.get("compiled")] or rounds
+    return {r["round"]: r["tokens_per_s"] for r in steady}
+
+
+def paired_ratios(numerator: dict, denominator: dict) -> list[float]:
+    """tokens/s of ``numerator`` over ``denominator``'s, round by round, over the rounds both measured."""
+    a, b = round_tokens_per_s(numerator), round_tokens_per_s(denominator)
+    return [a[r] / b[r] for r in sorted(a.keys() & b.keys())]
+
+
+def status(low: float, high: float, target: float, higher_is_better: bool = True) -> str:
+    """met when the whole range is on the right side of the target, missed when it is all on the wrong side."""
+    if not higher_is_better:
+        low, high, target = -high, -low, -target
+    if low >= target:
+        return MET
+    if high < target:
+        return MISSED
+    return NOT_DECIDED
 
 
 def best_of(by_mode: dict, modes) -> tuple[str | None, float | None]:
@@ -39,55 +76,78 @@ def best_of(by_mode: dict, modes) -> tuple[str | None, float | None]:
 
 
 def _family_bars(family: str, by_mode: dict) -> list[dict]:
-    patched_mode, patched = best_of(by_mode, PATCHED_PACKED)
-    arrival_mode, arrival = best_of(by_mode, ARRIVAL_MODES)
+    patched, _ = best_of(by_mode, PATCHED_PACKED)
+    arrival, _ = best_of(by_mode, ARRIVAL_MODES)
     bars = [
-        _ratio_bar(family, "patched packed >= 5x faster arrival-order stock padded", patched, arrival, 5.0,
-                   f"{patched_mode} vs {arrival_mode}"),
-        _ratio_bar(family, "patched packed >= 1.15x stock grouped by length", patched,
-                   tokens_per_s(by_mode, "stock_grouped_eager"), 1.15, f"{patched_mode} vs stock_grouped_eager"),
+        _ratio_bar(family, "patched packed >= 5x faster arrival-order stock padded", by_mode,
+                   patched or PATCHED_PACKED, arrival or ARRIVAL_MODES, 5.0),
+        _ratio_bar(family, "patched packed >= 1.15x stock grouped by length", by_mode,
+                   patched or PATCHED_PACKED, "stock_grouped_eager", 1.15),
     ]
-    stock_packed = by_mode.get("stock_packed")
-    if stock_packed is not None and tokens_per_s(by_mode, "stock_packed"):
-        bars.append(_ratio_bar(family, "patched packed >= 3x stock packed (dense mask)", patched,
-                               tokens_per_s(by_mode, "stock_packed"), 3.0, f"{patched_mode} vs stock_packed"))
-    bars.append(_ratio_bar(family, "patched compiled no slower than patched eager", 
-                           tokens_per_s(by_mode, "patched_packed_compiled"),
-                           tokens_per_s(by_mode, "patched_packed_eager"), 1.0 - NOISE,
-                           "patched_packed_compiled vs patched_packed_eager (5% noise allowance)"))
+    if tokens_per_s(by_mode, "stock_packed"):
+        bars.append(_ratio_bar(family, "patched packed >= 3x stock packed (dense mask)", by_mode,
+                               patched or PATCHED_PACKED, "stock_packed", 3.0))
+    bars.append(_ratio_bar(family, "patched compiled no slower than patched eager", by_mode,
+                           "patched_packed_compiled", "patched_packed_eager", 1.0 - NOISE,
+                           note=" (5% noise allowance)"))
     bars.append(_compile_bar(family, by_mode))
     return bars
 
 
-def _ratio_bar(family, bar, numerator, denominator, target, detail) -> dict:
-    if not numerator or not denominator:
-        return {"family": family, "bar": bar, "value": None, "target": target, "met": None,
-                "detail": detail + ": a figure is missing"}
-    value = numerator / denominator
-    return {"family": family, "bar": bar, "value": round(value, 2), "target": target, "met": value >= target,
-            "detail": detail}
+def _entry(family, bar, target, detail, value=None, low=None, high=None, state=NA, ratios=None) -> dict:
+    return {"family": family, "bar": bar, "value": value, "min": low, "max": high, "target": target,
+            "status": state, "met": {MET: True, MISSED: False}.get(state), "ratios": ratios or [],
+            "rounds": len(ratios or []), "detail": detail}
+
+
+def _ratio_bar(family, bar, by_mode, numerator, denominator, target, note="") -> dict:
+    """``numerator``/``denominator``: a mode name, or the candidates (a tuple) when none of them has a figure."""
+    names = [" or ".join(m) if isinstance(m, tuple) else m for m in (numerator, denominator)]
+    detail = f"{names[0]} vs {names[1]}{note}"
+    missing = [_why_missing(by_mode, m) for m in (numerator, denominator) if isinstance(m, tuple)
+               or not tokens_per_s(by_mode, m)]
+    if missing:
+        return _entry(family, bar, target, detail + ": " + "; ".join(missing))
+    ratios = paired_ratios(by_mode[numerator], by_mode[denominator])
+    if not ratios:
+        return _entry(family, bar, target, detail + ": no round measured by both")
+    low, high = min(ratios), max(ratios)
+    return _entry(family, bar, target, detail + f", {len(ratios)} paired rounds", round(statistics.median(ratios), 2),
+                  round(low, 2), round(high, 2), status(low, high, target), [round(r, 3) for r in ratios])
+
+
+def _why_missing(by_mode: dict, modes) -> str:
+    modes = modes if isinstance(modes, tuple) else (modes,)
+    reasons = []
+    for mode in modes:
+        result = by_mode.get(mode)
+        if result is None:
+            reasons.append(f"{mode} not run")
+        else:
+            reasons.append(f"{mode} has no figure ({(result.get('error') or 'no round measured')[:80]})")
+    return ", ".join(reasons)
 
 
 def _compile_bar(family: str, by_mode: dict) -> dict:
     bar = "patched compile time <= stock compile time"
+    detail = "patched_packed_compiled vs stock_padded_compiled compile_s"
     patched, stock = by_mode.get("patched_packed_compiled"), by_mode.get("stock_padded_compiled")
-    entry = {"family": family, "bar": bar, "value": None, "target": 1.0, "met": None,
-             "detail": "patched_packed_compiled vs stock_padded_compiled compile_s"}
     if not patched or patched.get("compile_s") is None or not stock:
-        entry["detail"] += ": a figure is missing"
-        return entry
+        missing = [m for m, r in (("patched_packed_compiled", patched), ("stock_padded_compiled", stock)) if not r]
+        why = f"{', '.join(missing)} not run" if missing else "patched_packed_compiled has no compile time"
+        return _entry(family, bar, 1.0, f"{detail}: {why}")
     stock_compile = stock.get("compile_s")
     if stock_compile is None and _compile_timed_out(stock):
         # the stock compile never finished: it took at least the mode's time limit
-        entry.update(met=patched["compile_s"] <= stock.get("timeout_s", 0),
-                     detail=entry["detail"] + f": stock did not finish compiling within {stock.get('timeout_s')} s")
-        return entry
+        limit = stock.get("timeout_s") or 0
+        return _entry(family, bar, 1.0, f"{detail}: stock did not finish compiling within {limit} s",
+                      state=MET if patched["compile_s"] <= limit else NOT_DECIDED)
     if stock_compile is None:
-        entry["detail"] += f": stock compiled has no compile time ({stock.get('error') or 'not measured'})"
-        return entry
-    value = patched["compile_s"] / max(stock_compile, 1e-9)
-    entry.update(value=round(value, 2), met=value <= 1.0)
-    return entry
+        return _entry(family, bar, 1.0,
+                      f"{detail}: stock compiled has no compile time ({stock.get('error') or 'not measured'})")
+    value = round(patched["compile_s"] / max(stock_compile, 1e-9), 2)
+    return _entry(family, bar, 1.0, detail + " (one cold compile each)", value, value, value,
+                  status(value, value, 1.0, higher_is_better=False))
 
 
 def _compile_timed_out(result: dict) -> bool:

@@ -37,7 +37,7 @@ class LengthMix:
         return [self._clip(generator.lognormvariate(self.mu, self.sigma)) for _ in range(count)]
 
     def _clip(self, value: float) -> int:
-        return max(self.min_len, min(self.max_len, int(round(value))))
+        return max(self.min_len, min(self.max_len, round(value)))
 
 
 @functools.cache
@@ -124,9 +124,9 @@ def position_ids_only(batch: dict) -> dict:
 
 
 def fixed_shape_collator(steps: list[list[list[int]]], tokens_per_step: int) -> PackedCollator:
-    """A PackedCollator whose shape fits every step: one row of ``tokens_per_step`` tokens, room for the most
-    documents any step has (rounded up to 64, plus the padding document)."""
+    """A PackedCollator whose shape fits every step: one row of ``tokens_per_step`` tokens (or of the longest
+    step, when a single document is longer than the budget: small test budgets), room for the most documents any
+    step has (rounded up to 64, plus the padding document)."""
     most_docs = max(len(step) for step in steps) + 1
-    return PackedCollator(
-        tokens_per_step, fixed_shape=True, rows=1, max_docs=math.ceil(most_docs / 64) * 64
-    )
+    row = max(tokens_per_step, *(sum(len(doc) for doc in step) for step in steps))
+    return PackedCollator(row, fixed_shape=True, rows=1, max_docs=math.ceil(most_docs / 64) * 64)

@@ -1,12 +1,17 @@
-"""Run each mode in a child process with a time limit.
+"""Workers the round-robin driver (``rounds``) commands: one process per mode (the default), or in this process
+(``--isolation none``, debugging).
 
-Children are forked from a forkserver that has already imported torch, transformers and compilepack, so a
-mode starts in a fraction of a second with empty dynamo state. A mode that runs past its limit (a stock
-compile that never ends) is stopped with its compile workers, and reported with what it measured so far.
+Worker processes are forked from a forkserver that has already imported torch, transformers, compilepack and the
+families' modeling modules, so a worker starts in a fraction of a second with empty dynamo state. Every command
+has a time limit: a worker that does not get ready (build, check, compile, warm-up) within ``warmup_timeout_s``,
+or does not finish a round within ``step_timeout_s``, is stopped with its compile workers and reported as a
+``TimeoutError`` with the phase it was in and everything it had measured; a worker process that dies is reported
+with its exit code and the end of its log.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import pathlib
 import time
@@ -16,66 +21,154 @@ from . import worker
 PRELOAD = ["torch", "transformers", "compilepack", "compilepack.bench.worker"]
 
 
-class ModeRunner:
-    """Runs :class:`~compilepack.bench.worker.ModeSpec` s one at a time, each in a fresh child process."""
+class ProcessContext:
+    """The forkserver every worker of a run is forked from (one per run: it keeps its imports warm)."""
 
-    def __init__(self):
-        self._context = multiprocessing.get_context("forkserver")
-        self._context.set_forkserver_preload(PRELOAD)
+    def __init__(self, preload: list[str] = ()):
+        self.context = multiprocessing.get_context("forkserver")
+        self.context.set_forkserver_preload(PRELOAD + list(preload))  # a module that fails to import is skipped
 
-    def run(self, spec: worker.ModeSpec, timeout_s: float, on_phase=lambda phase: None) -> dict:
-        receiver, sender = self._context.Pipe(duplex=False)
-        process = self._context.Process(target=worker.run_in_child, args=(spec, sender), daemon=True)
-        started = time.monotonic()
-        process.start()
+    def worker(self, spec: worker.ModeSpec, on_phase=lambda phase: None) -> ProcessWorker:
+        return ProcessWorker(self.context, spec, on_phase)
+
+
+class ProcessWorker:
+    """One mode's worker process: ``start()``, ``await_ready``, ``run_round`` per round, ``finish``. Each call
+    that waits returns False (or the result) once the mode has ended: failed, died or stopped at its limit;
+    ``result`` then holds its figures and the error."""
+
+    def __init__(self, context, spec: worker.ModeSpec, on_phase=lambda phase: None):
+        self.spec = spec
+        self.result = worker.empty_result(spec)
+        self.phase = "not started"
+        self._context = context
+        self._on_phase = on_phase
+        self._process = None
+        self._receiver = None
+        self._ended = False
+
+    def start(self) -> None:
+        self._receiver, sender = self._context.Pipe(duplex=True)
+        self._process = self._context.Process(target=worker.serve, args=(self.spec, sender), daemon=True)
+        self._started = time.monotonic()
+        self.phase = "starting"
+        self._process.start()
         sender.close()
-        phase, figures, result = "starting", worker.empty_result(spec), None
-        while result is None:
-            remaining = started + timeout_s - time.monotonic()
-            if remaining <= 0:
-                _stop(process)
-                result = _stopped(figures, f"TimeoutError: did not finish within {timeout_s:.0f} s (during {phase})")
-            elif receiver.poll(min(remaining, 0.5)):
+
+    def await_ready(self, timeout_s: float) -> bool:
+        """Wait until the worker has built, checked, compiled and warmed up (``timeout_s`` from ``start``)."""
+        ok = self._await("ready", self._started + timeout_s, timeout_s, "getting ready")
+        self.result["warmup_wall_s"] = self.result.get("warmup_wall_s") or round(time.monotonic() - self._started, 1)
+        return ok
+
+    def run_round(self, index: int, position: int, timeout_s: float) -> bool:
+        if not self._send(("round", index, position)):
+            return False
+        self.phase = f"round {index + 1}"  # until the worker says more
+        return self._await("round", time.monotonic() + timeout_s, timeout_s, f"round {index + 1}")
+
+    def finish(self, timeout_s: float) -> dict:
+        if self._send(("finish",)):
+            self._await("result", time.monotonic() + timeout_s, timeout_s, "finishing")
+        self.stop()
+        return self.result
+
+    def stop(self, wait_s: float = 10.0) -> None:
+        """Let a worker that is done exit (up to ``wait_s``), then stop whatever is left of it."""
+        self._ended = True
+        if self._process is not None and self._process.pid is not None:
+            self._process.join(wait_s)
+            _stop(self._process)
+
+    def _send(self, command: tuple) -> bool:
+        if self._ended:
+            return False
+        try:
+            self._receiver.send(command)
+            return True
+        except OSError:  # the worker is gone
+            self._process.join(5)
+            self._end(f"the mode's process died (exit code {self._process.exitcode}) during {self.phase}"
+                      + _log_tail(self.spec.log_path))
+            return False
+
+    def _await(self, kind: str, deadline: float, limit_s: float, doing: str) -> bool:
+        """Read messages until one of ``kind`` (True) or the mode's end (False). Messages already sent count
+        even when read after the deadline."""
+        while True:
+            remaining = deadline - time.monotonic()
+            if self._receiver.poll(max(0.0, min(remaining, 0.5))):
                 try:
-                    message = receiver.recv()
-                except EOFError:  # the child died without a result (killed, out of memory, segfault)
-                    process.join(5)
-                    result = _stopped(figures, f"the mode's process died (exit code {process.exitcode}) during {phase}"
-                                      + _log_tail(spec.log_path))
-                    continue
+                    message = self._receiver.recv()
+                except (EOFError, OSError):  # the worker died without a result (killed, out of memory, segfault)
+                    self._process.join(5)
+                    self._end(f"the mode's process died (exit code {self._process.exitcode}) during {self.phase}"
+                              + _log_tail(self.spec.log_path))
+                    return False
                 if message[0] == "progress":
-                    phase, figures = message[1], message[2]
-                    on_phase(phase)
-                else:
-                    result = message[1]
-        process.join(10)
-        _stop(process)
-        result["mode_wall_s"] = round(time.monotonic() - started, 1)
-        return result
+                    self.phase, self.result = message[1], message[2]
+                    self._on_phase(self.phase)
+                    continue
+                self.result = message[1]
+                if message[0] == "result":
+                    self.stop()
+                    return kind == "result"
+                if message[0] == kind:
+                    return True
+            elif remaining <= 0:
+                self._end(f"TimeoutError: did not finish {doing} within {limit_s:.0f} s (during {self.phase})")
+                return False
+
+    def _end(self, error: str) -> None:
+        self.stop(wait_s=0)
+        self.result = dict(self.result, error=error)
 
 
-def _stopped(figures: dict, error: str) -> dict:
-    result = dict(figures)
-    result["error"] = error
-    return result
+class LocalWorker:
+    """The same commands, run in this process without time limits (``--isolation none``: debugging; every mode's
+    model stays in this one process, so peak memory is not per mode, and inductor uses torch's usual cache)."""
+
+    def __init__(self, spec: worker.ModeSpec, on_phase=lambda phase: None):
+        self.spec = spec
+        self.result = worker.empty_result(spec)
+        self._on_phase = on_phase
+        self._session = None
+
+    def start(self) -> None:
+        self._session = worker.ModeSession(self.spec, lambda phase, figures: self._on_phase(phase))
+        self.result = self._session.result
+
+    def await_ready(self, timeout_s: float) -> bool:
+        return self._session.prepare()
+
+    def run_round(self, index: int, position: int, timeout_s: float) -> bool:
+        return self._session.run_round(index, position)
+
+    def finish(self, timeout_s: float) -> dict:
+        self.result = self._session.finish()
+        self._session = None  # let the model go
+        return self.result
+
+    def stop(self) -> None:
+        if self._session is not None:
+            self._session.finish()
+            self._session = None
 
 
 def _stop(process) -> None:
-    """Stop the child and the compile workers it started (and only those)."""
+    """Stop the worker and the compile workers it started (and only those)."""
+    import psutil
+
     if process.pid is None or process.exitcode is not None:
         return
     try:
-        import psutil
-
         descendants = psutil.Process(process.pid).children(recursive=True)
-    except Exception:  # already gone
+    except psutil.Error:  # already gone
         descendants = []
     process.kill()
     for child in descendants:
-        try:
+        with contextlib.suppress(psutil.Error):
             child.kill()
-        except Exception:
-            pass
     process.join(10)
 
 

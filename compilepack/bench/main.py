@@ -1,8 +1,10 @@
 """``python -m compilepack bench``: training-step speed and correctness, stock vs patched, on the same documents.
 
-Every family runs every mode (see ``modes.py``) on the same long-tailed document mix and the same real-token
-budget per step; each mode runs in its own process with a time limit. Writes
-``<out>/<device>-<date>.json``, ``.md`` and ``.png``; see docs/benchmarks.md.
+Every family runs the chosen modes (see ``modes.py``; the default leaves two out, ``--full`` runs all) on the
+same long-tailed document mix and the same real-token budget per step. Each mode of a family gets a warm worker
+(its own process, with time limits); the timed steps are taken round-robin across the family's workers (see
+``rounds.py``), so ratios between modes are paired per round. Writes ``<out>/<device>-<date>.json``, ``.md``
+and ``.png``; see docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -19,11 +21,16 @@ DEFAULT_FAMILIES = ("llama", "qwen3_next", "qwen3_5", "bamba")
 
 
 def add_arguments(parser) -> None:
+    from .modes import DEFAULT_MODES
+
     parser.add_argument("--model", default=",".join(DEFAULT_FAMILIES),
                         help="comma-separated families, or 'all' for every registered family "
                              f"(default: {','.join(DEFAULT_FAMILIES)})")
-    parser.add_argument("--modes", default="all", help="comma-separated modes (default: all)")
-    parser.add_argument("--steps", type=int, default=1, help="timed training steps per mode (default: 1)")
+    parser.add_argument("--modes", default=None,
+                        help=f"comma-separated modes, or 'all' (default: {','.join(DEFAULT_MODES)})")
+    parser.add_argument("--full", action="store_true", help="every mode (the full matrix; same as --modes all)")
+    parser.add_argument("--steps", type=int, default=3,
+                        help="timed rounds per mode, taken round-robin across a family's modes (default: 3)")
     parser.add_argument("--warmup-steps", type=int, default=1,
                         help="warm-up steps per mode, the compile for compiled modes (default: 1)")
     parser.add_argument("--tokens-per-step", type=int, default=8192,
@@ -31,7 +38,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default: cpu)")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend (default: inductor)")
     parser.add_argument("--mode-timeout", type=float, default=120.0,
-                        help="seconds a mode may take before it is stopped and reported as timed out (default: 120)")
+                        help="seconds a mode's worker may take to get ready (build, check, compile, warm-up) "
+                             "before it is stopped and reported as timed out (default: 120)")
+    parser.add_argument("--step-timeout", type=float, default=120.0,
+                        help="seconds a mode may take for one timed round (default: 120)")
+    parser.add_argument("--warmup", choices=("concurrent", "serial"), default="concurrent",
+                        help="concurrent: a family's workers warm up (compile) together, faster (default); "
+                             "serial: one after another, compile times without contention")
     parser.add_argument("--inductor-cache", choices=("fresh", "shared"), default="fresh",
                         help="fresh: every mode compiles cold, from an empty inductor cache (default); "
                              "shared: use torch's usual on-disk cache (faster reruns, warm compile times)")
@@ -39,8 +52,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the document mix and the weights")
     parser.add_argument("--out", default="benchmarks/results", help="output directory (default: benchmarks/results)")
     parser.add_argument("--isolation", choices=("process", "none"), default="process",
-                        help="process: each mode in its own process, with the time limit (default); "
-                             "none: all in this process, no time limit (debugging)")
+                        help="process: each mode's worker in its own process, with the time limits (default); "
+                             "none: all in this process, no time limits (debugging)")
     parser.add_argument("--profile", action="store_true",
                         help="profile one extra (untimed) step per mode with torch.profiler; top ops go in the JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -49,17 +62,24 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from .modes import Workload
 
+    if args.steps < 1:
+        raise SystemExit("--steps must be at least 1")
     families = resolve_families(args.model)
-    modes = resolve_modes(args.modes)
+    modes, mode_set, left_out = resolve_modes(args.modes, args.full)
     workload = Workload(tokens_per_step=args.tokens_per_step, steps=args.steps, warmup_steps=args.warmup_steps,
                         seed=args.seed)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{_device_label(args.device)}-{datetime.date.today().isoformat()}"
-    started = time.monotonic()
+    print(f"compilepack bench: {', '.join(families)}; {mode_set} modes: {', '.join(modes)}; "
+          f"{args.steps} timed rounds per mode", flush=True)
+    if left_out:
+        print(f"left out (--full runs them): {', '.join(left_out)}", flush=True)
+    started, load_start = time.monotonic(), _load_average()
     with tempfile.TemporaryDirectory(prefix="compilepack-bench-") as scratch:
         results = _run_all(args, families, modes, workload, pathlib.Path(scratch), out / "logs" / stem)
-    report = _report(args, results, workload, time.monotonic() - started)
+    report = _report(args, results, workload, time.monotonic() - started, modes, mode_set, left_out)
+    report["load_avg"] = {"start": load_start, "end": _load_average()}
     _write(report, out, stem)
     return 0
 
@@ -74,12 +94,19 @@ def resolve_families(text: str) -> list[str]:
     return [family_named(name).name for name in names]
 
 
-def resolve_modes(text: str) -> list[str]:
-    from .modes import MODE_NAMES, mode_named
+def resolve_modes(text: str | None, full: bool = False) -> tuple[list[str], str, dict[str, str]]:
+    """(modes in the documented order, "default"/"full"/"custom", left-out mode -> why)."""
+    from .modes import DEFAULT_MODES, LEFT_OUT_BY_DEFAULT, MODE_NAMES, mode_named
 
-    if text.strip() == "all":
-        return list(MODE_NAMES)
-    return [mode_named(name.strip()).name for name in text.split(",") if name.strip()]
+    if full and text is not None and text.strip() != "all":
+        raise SystemExit("--full runs every mode; give either --full or --modes")
+    if full or (text is not None and text.strip() == "all"):
+        return list(MODE_NAMES), "full", {}
+    if text is None:
+        return list(DEFAULT_MODES), "default", dict(LEFT_OUT_BY_DEFAULT)
+    chosen = {mode_named(name.strip()).name for name in text.split(",") if name.strip()}
+    modes = [name for name in MODE_NAMES if name in chosen]
+    return modes, "custom", {name: "not in --modes" for name in MODE_NAMES if name not in chosen}
 
 
 # ------------------------------------------------------------------------------------------------ running
@@ -88,44 +115,64 @@ def resolve_modes(text: str) -> list[str]:
 def _run_all(args, families, modes, workload, scratch: pathlib.Path, log_dir: pathlib.Path) -> list[dict]:
     from tqdm import tqdm
 
-    from .worker import ModeSpec
+    from .rounds import run_family
 
     log_dir.mkdir(parents=True, exist_ok=True)
-    runner = _runner(args.isolation)
+    make_worker = _worker_factory(args.isolation, families)
     results = []
-    jobs = [(family, mode) for family in families for mode in modes]
-    with tqdm(total=len(jobs), desc="bench", unit="mode", disable=args.no_progress, dynamic_ncols=True) as bar:
-        for family, mode in jobs:
-            spec = ModeSpec(
-                family=family, mode=mode, workload=workload, device=args.device,
-                compile_backend=args.compile_backend, threads=args.threads,
-                log_path=str(log_dir / f"{family}-{mode}.log"),
-                inductor_cache_dir=_cache_dir(args.inductor_cache, scratch, family, mode), profile=args.profile,
-            )
-            bar.set_postfix_str(f"{family} {mode}")
+    units = len(modes) * (1 + workload.steps)  # per family: each mode's warm-up and its rounds
+    with tqdm(total=units * len(families), desc="bench", unit="step", disable=args.no_progress,
+              dynamic_ncols=True) as bar:
+        for family in families:
+            done_before = bar.n
+            workers = {mode: make_worker(_spec(args, family, mode, workload, scratch, log_dir),
+                                         _phase_shower(bar, family, mode))
+                       for mode in modes}
             load_before = _load_average()
-            result = runner(spec, args.mode_timeout, lambda phase: bar.set_postfix_str(f"{family} {mode}: {phase}"))
-            # other processes on the machine slow every figure: keep the load next to the figures it affected
-            result["load_avg"] = [load_before, _load_average()]
-            result["timeout_s"] = args.mode_timeout if args.isolation == "process" else None
-            results.append(result)
-            bar.write(_one_line(result))
-            bar.update()
+            family_results = run_family(
+                workers, workload.steps, args.mode_timeout, args.step_timeout, concurrent=args.warmup == "concurrent",
+                on_done=lambda mode, what: bar.update(1) if what != "ended" else None,
+            )
+            load_after = _load_average()
+            for result in family_results:
+                # other processes on the machine slow every figure: keep the load next to the figures it affected
+                result["load_avg"] = [load_before, load_after]
+                result["timeout_s"] = args.mode_timeout if args.isolation == "process" else None
+                bar.write(_one_line(result))
+            results += family_results
+            bar.update(done_before + units - bar.n)  # a mode that ended early skips its remaining rounds
     return results
 
 
-def _load_average() -> float | None:
-    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+def _spec(args, family, mode, workload, scratch: pathlib.Path, log_dir: pathlib.Path):
+    from .worker import ModeSpec
+
+    return ModeSpec(
+        family=family, mode=mode, workload=workload, device=args.device, compile_backend=args.compile_backend,
+        threads=args.threads, log_path=str(log_dir / f"{family}-{mode}.log"),
+        inductor_cache_dir=_cache_dir(args.inductor_cache, scratch, family, mode), profile=args.profile,
+    )
 
 
-def _runner(isolation: str):
+def _phase_shower(bar, family: str, mode: str):
+    return lambda phase: bar.set_postfix_str(f"{family} {mode}: {phase}")
+
+
+def _worker_factory(isolation: str, families: list[str]):
+    from .isolation import LocalWorker, ProcessContext
+
     if isolation == "none":
-        from .worker import measure_mode
+        return LocalWorker
+    from compilepack.patching import family_named
 
-        return lambda spec, timeout_s, on_phase: measure_mode(spec, lambda phase, figures: on_phase(phase))
-    from .isolation import ModeRunner
+    context = ProcessContext(preload=[family_named(name).modeling for name in families])
+    return context.worker
 
-    return ModeRunner().run
+
+def _load_average() -> float | None:
+    from .measure import load_average
+
+    return load_average()
 
 
 def _cache_dir(policy: str, scratch: pathlib.Path, family: str, mode: str) -> str | None:
@@ -137,8 +184,9 @@ def _cache_dir(policy: str, scratch: pathlib.Path, family: str, mode: str) -> st
 
 
 def _one_line(result: dict) -> str:
-    tps = result.get("tokens_per_s")
-    text = f"{result['family']:>11} {result['mode']:<24} " + (f"{tps:8.0f} tok/s" if tps else "       - tok/s")
+    from .report import tokens_cell
+
+    text = f"{result['family']:>11} {result['mode']:<24} {tokens_cell(result):>22} tok/s"
     if result.get("compile_s") is not None:
         text += f"  compile {result['compile_s']:.1f} s"
     if result.get("error"):
@@ -149,7 +197,7 @@ def _one_line(result: dict) -> str:
 # ------------------------------------------------------------------------------------------------ report
 
 
-def _report(args, results: list[dict], workload, wall_s: float) -> dict:
+def _report(args, results: list[dict], workload, wall_s: float, modes, mode_set, left_out) -> dict:
     import torch
     import transformers
 
@@ -158,6 +206,7 @@ def _report(args, results: list[dict], workload, wall_s: float) -> dict:
     from .bars import evaluate
     from .modes import mode_named
     from .report import add_ratios
+    from .rounds import round_order
 
     add_ratios(results)
     for result in results:
@@ -176,10 +225,17 @@ def _report(args, results: list[dict], workload, wall_s: float) -> dict:
             "tokens_per_step": workload.tokens_per_step,
             "steps": workload.steps,
             "warmup_steps": workload.warmup_steps,
+            "grouped_steps_per_round": workload.grouped_per_round,
+            "mode_set": mode_set,
+            "modes": list(modes),
+            "left_out": left_out,
+            "round_order": [round_order(list(modes), index) for index in range(workload.steps)],
+            "warmup": args.warmup,
             "seed": workload.seed,
             "compile_backend": args.compile_backend,
             "config": "bench",
             "mode_timeout_s": args.mode_timeout if args.isolation == "process" else None,
+            "step_timeout_s": args.step_timeout if args.isolation == "process" else None,
             "inductor_cache": "fresh per mode (cold compiles)" if args.inductor_cache == "fresh" else "shared",
             "isolation": args.isolation,
         },

@@ -4,6 +4,7 @@ run alone."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
 
@@ -15,7 +16,9 @@ class PeakRss:
 
     A thread, not ``ru_maxrss``: the mode runs in a child forked from a process that already holds torch and
     transformers, and the peak of interest is what the mode itself adds (model, optimizer, activations, compile).
-    Compile worker processes are not included.
+    Compile worker processes are not included. ``pause()`` stops the sampling while the mode waits for its next
+    command (its memory does not change then, and a waiting worker should cost the timed one nothing);
+    ``resume()`` starts it again.
     """
 
     def __init__(self, interval_s: float = 0.005):
@@ -26,16 +29,27 @@ class PeakRss:
         self.baseline = self._process.memory_info().rss
         self.peak = self.baseline
         self._stop = threading.Event()
+        self._active = threading.Event()
+        self._active.set()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
 
     def _sample(self) -> None:
         while not self._stop.is_set():
+            self._active.wait()
             self.peak = max(self.peak, self._process.memory_info().rss)
             self._stop.wait(self._interval_s)
 
+    def pause(self) -> None:
+        self.peak = max(self.peak, self._process.memory_info().rss)
+        self._active.clear()
+
+    def resume(self) -> None:
+        self._active.set()
+
     def stop_mb(self) -> float:
         self._stop.set()
+        self._active.set()  # wake a paused sampler so it sees the stop
         self._thread.join()
         self.peak = max(self.peak, self._process.memory_info().rss)
         return (self.peak - self.baseline) / 2**20
@@ -105,7 +119,7 @@ def doc_spans(batch: dict, docs: list[list[int]]) -> list[tuple[int, int, int]]:
         return [(row, 0, len(doc)) for row, doc in enumerate(docs)]
     flat = batch["input_ids"].reshape(-1).tolist()
     cu = batch["cu_seq_lens_q"].tolist()
-    where = {tuple(flat[s:e]): s for s, e in zip(cu[:-1], cu[1:]) if e > s}
+    where = {tuple(flat[s:e]): s for s, e in itertools.pairwise(cu) if e > s}
     spans = []
     for doc in docs:
         start = where[tuple(doc)]
@@ -123,3 +137,10 @@ def max_logit_diff(logits: torch.Tensor, spans, alone: list[torch.Tensor]) -> fl
     """Largest |logit difference| between the documents inside a batch and the same documents run alone."""
     logits = logits.detach().float()
     return max((logits[row, s:e] - ref).abs().max().item() for (row, s, e), ref in zip(spans, alone))
+
+
+def load_average() -> float | None:
+    """The machine's 1-minute load average (None where the OS has none): other processes slow every figure."""
+    import os
+
+    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import pathlib
+import statistics
 
-from .bars import tokens_per_s
+from .bars import paired_ratios, tokens_per_s
 from .markdown import cell, text_cell
 from .modes import MODE_NAMES, PADDED_MODES
 
@@ -13,14 +14,49 @@ RATIO_BASES = PADDED_MODES  # every mode is also shown as a multiple of each sto
 
 
 def add_ratios(results: list[dict]) -> None:
-    """``speedup_vs``: this mode's tokens/s over each stock padded mode's, for the same family."""
+    """``speedup_vs``: the median over rounds of this mode's tokens/s over each stock padded mode's in the same
+    round, for the same family (``speedup_vs_range``: their min and max)."""
     for result in results:
         by_mode = {r["mode"]: r for r in results if r["family"] == result["family"]}
-        mine = tokens_per_s(by_mode, result["mode"])
-        result["speedup_vs"] = {
-            base: (round(mine / tokens_per_s(by_mode, base), 2) if mine and tokens_per_s(by_mode, base) else None)
-            for base in RATIO_BASES
-        }
+        result["speedup_vs"], result["speedup_vs_range"] = {}, {}
+        for base in RATIO_BASES:
+            ratios = []
+            if tokens_per_s(by_mode, result["mode"]) and tokens_per_s(by_mode, base):
+                ratios = paired_ratios(result, by_mode[base])
+            result["speedup_vs"][base] = round(statistics.median(ratios), 2) if ratios else None
+            result["speedup_vs_range"][base] = [round(min(ratios), 2), round(max(ratios), 2)] if ratios else None
+
+
+def tokens_cell(r: dict) -> str:
+    """``median [min-max]`` tokens/s, or ``-``."""
+    if not r.get("tokens_per_s"):
+        return "-"
+    low, high = r.get("tokens_per_s_min"), r.get("tokens_per_s_max")
+    if low is None or high is None or low == high:
+        return f"{r['tokens_per_s']:.0f}"
+    return f"{r['tokens_per_s']:.0f} [{low:.0f}-{high:.0f}]"
+
+
+def ratio_cell(value, low=None, high=None) -> str:
+    """``median [min-max]`` of a ratio (``x`` suffix), or ``-``."""
+    if value is None:
+        return "-"
+    if low is None or high is None or low == high:
+        return f"{value:.2f}x"
+    return f"{value:.2f}x [{low:.2f}-{high:.2f}]"
+
+
+def _speedup_cell(r: dict, base: str) -> str:
+    low_high = (r.get("speedup_vs_range") or {}).get(base) or (None, None)
+    return ratio_cell((r.get("speedup_vs") or {}).get(base), *low_high)
+
+
+def bar_value_cell(bar: dict) -> str:
+    if bar["value"] is None:
+        return "-"
+    if bar.get("min") is None or bar["min"] == bar["max"]:
+        return f"{bar['value']:.2f}"
+    return f"{bar['value']:.2f} [{bar['min']:.2f}-{bar['max']:.2f}]"
 
 
 def write_json(report: dict, path: pathlib.Path) -> None:
@@ -35,21 +71,29 @@ def markdown(report: dict) -> str:
     lines = [
         f"# compilepack bench: {report['device']} ({report['device_name']}), {report['date']}",
         "",
-        f"torch {report['torch']}, transformers {report['transformers']}, compilepack {report['compilepack']}; "
-        f"{report['threads']} threads on {report['cores']} cores; compile backend `{settings['compile_backend']}`; "
-        f"{settings['config']} configs; {settings['tokens_per_step']} real tokens per step at most; "
-        f"{settings['warmup_steps']} warm-up + {settings['steps']} timed steps per mode; "
-        f"inductor cache: {settings['inductor_cache']}; run wall time {report['wall_s']:.0f} s; "
-        f"1-minute load average during the modes {_load_range(report['results'])}.",
+        (f"torch {report['torch']}, transformers {report['transformers']}, compilepack {report['compilepack']}; "
+         f"{report['threads']} threads on {report['cores']} cores; compile backend `{settings['compile_backend']}`; "
+         f"{settings['config']} configs; {settings['tokens_per_step']} real tokens per step at most; "
+         f"{settings['warmup_steps']} warm-up step + {settings['steps']} timed rounds per mode, round-robin across "
+         f"a family's warm workers (round r starts at mode r; warm-up {settings.get('warmup', 'concurrent')}); "
+         f"inductor cache: {settings['inductor_cache']}; run wall time {report['wall_s']:.0f} s; "
+         f"1-minute load average during the timed steps {_load_range(report['results'])}."),
+        "",
+        _modes_line(settings),
         "",
         _workload_line(report["workload"]),
         "",
-        "| family | mode | tokens/s | x padded eager | x padded compiled | x grouped | compile s | graphs / breaks "
-        "| compiles | peak MB | max logit diff | padding | error / note |",
+        ("Figures are the median over the timed rounds [min-max]; ratios are paired per round (a mode's tokens/s "
+         "over the other's in the same round)."),
+        "",
+        ("| family | mode | tokens/s | x padded eager | x padded compiled | x grouped | compile s | graphs / breaks "
+         "| compiles | peak MB | max logit diff | padding | error / note |"),
         "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|",
     ]
     lines += [_markdown_row(r) for r in report["results"]]
-    lines += ["", "## Bars", "", "| family | bar | value | target | met | detail |", "|---|---|--:|--:|---|---|"]
+    lines += ["", "## Bars", "",
+              "Status: met if every round's ratio reaches the target, missed if none does, not decided otherwise.",
+              "", "| family | bar | median [min-max] | target | status | detail |", "|---|---|--:|--:|---|---|"]
     lines += [_bar_row(b) for b in report["bars"]]
     lines += _profile_sections(report["results"])
     return "\n".join(lines) + "\n"
@@ -68,8 +112,16 @@ def _profile_sections(results: list[dict]) -> list[str]:
 
 
 def _load_range(results: list[dict]) -> str:
-    loads = [x for r in results for x in (r.get("load_avg") or []) if x is not None]
+    loads = [step["load_avg"] for r in results for step in r.get("timed") or [] if step.get("load_avg") is not None]
     return f"{min(loads):.1f}-{max(loads):.1f}" if loads else "unknown"
+
+
+def _modes_line(settings: dict) -> str:
+    text = f"Modes ({settings.get('mode_set', 'custom')}): {', '.join(settings.get('modes', []))}."
+    left_out = settings.get("left_out") or {}
+    if left_out:
+        text += " Left out (`--full` runs them): " + "; ".join(f"`{m}`: {why}" for m, why in left_out.items()) + "."
+    return text
 
 
 def _workload_line(workload: dict) -> str:
@@ -82,12 +134,11 @@ def _workload_line(workload: dict) -> str:
 
 
 def _markdown_row(r: dict) -> str:
-    ratios = r.get("speedup_vs") or {}
     cells = [
         r["family"],
         r["mode"],
-        cell(r.get("tokens_per_s"), "{:.0f}"),
-        *(cell(ratios.get(base), "{:.2f}x") for base in RATIO_BASES),
+        tokens_cell(r),
+        *(_speedup_cell(r, base) for base in RATIO_BASES),
         cell(r.get("compile_s"), "{:.1f}"),
         _graphs(r),
         cell(r.get("compiles"), "{}"),
@@ -100,9 +151,9 @@ def _markdown_row(r: dict) -> str:
 
 
 def _bar_row(bar: dict) -> str:
-    met = {True: "met", False: "**missed**", None: "n/a"}[bar["met"]]
-    value = cell(bar["value"], "{:.2f}")
-    return f"| {bar['family']} | {bar['bar']} | {value} | {bar['target']} | {met} | {bar['detail']} |"
+    state = "**missed**" if bar["status"] == "missed" else bar["status"]
+    return (f"| {bar['family']} | {bar['bar']} | {bar_value_cell(bar)} | {bar['target']} | {state} "
+            f"| {text_cell(bar['detail'], 300)} |")
 
 
 def _graphs(r: dict) -> str:
@@ -123,7 +174,8 @@ def _issue(r: dict) -> str:
 
 
 def plot(report: dict, path: pathlib.Path) -> None:
-    """Grouped bars: tokens/s per family and mode (log scale); a mode without a figure is marked 'x'."""
+    """Grouped bars: median tokens/s per family and mode (log scale), error bars from the fastest to the slowest
+    round; a mode without a figure is marked 'x'."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -138,7 +190,7 @@ def plot(report: dict, path: pathlib.Path) -> None:
     colors = plt.get_cmap("tab10")
     handles = []
     for index, mode in enumerate(modes):
-        xs, ys, missing = [], [], []
+        xs, ys, spread, missing = [], [], [[], []], []
         for position, family in enumerate(families):
             by_mode = {r["mode"]: r for r in results if r["family"] == family}
             x = position - 0.4 + width * (index + 0.5)
@@ -146,9 +198,12 @@ def plot(report: dict, path: pathlib.Path) -> None:
             if value:
                 xs.append(x)
                 ys.append(value)
+                spread[0].append(value - (by_mode[mode].get("tokens_per_s_min") or value))
+                spread[1].append((by_mode[mode].get("tokens_per_s_max") or value) - value)
             else:
                 missing.append(x)
-        axes.bar(xs, ys, width, color=colors(index))
+        axes.bar(xs, ys, width, color=colors(index), yerr=spread, ecolor="black", capsize=2,
+                 error_kw={"elinewidth": 0.8})
         # a missing figure is an 'x' at the foot of the axis (x in data, y in axes coordinates)
         axes.plot(missing, [0.03] * len(missing), "x", color=colors(index), markersize=9, mew=2,
                   transform=axes.get_xaxis_transform())
@@ -157,7 +212,7 @@ def plot(report: dict, path: pathlib.Path) -> None:
     axes.set_xticks(range(len(families)), families)
     axes.set_ylabel("real tokens / s (training step, log scale)")
     axes.set_title(f"compilepack bench, {report['device']} ({report['threads']} threads), {report['date']}"
-                   "\nx: no figure (error or time limit)")
+                   "\nmedian of the timed rounds, whiskers: min-max; x: no figure (error or time limit)")
     axes.legend(handles=handles, fontsize=8, ncol=2)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -169,25 +224,33 @@ def plot(report: dict, path: pathlib.Path) -> None:
 
 def print_console(report: dict) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title=f"compilepack bench ({report['device']}, {report['date']})", show_lines=False)
     for column in ("family", "mode", "tok/s", "x pad eager", "x pad comp", "x grouped", "compile s",
-                   "graphs/brk", "compiles", "peak MB", "max diff", "padding", "error / note"):
-        table.add_column(column, overflow="fold")
+                   "graphs/brk", "compiles", "peak MB", "max diff", "padding"):
+        table.add_column(column, no_wrap=True)
+    table.add_column("error / note", overflow="fold")
     for r in report["results"]:
-        ratios = r.get("speedup_vs") or {}
         table.add_row(
-            r["family"], r["mode"], cell(r.get("tokens_per_s"), "{:.0f}"),
-            *(cell(ratios.get(base), "{:.2f}x") for base in RATIO_BASES),
+            r["family"], r["mode"], tokens_cell(r),
+            *(_speedup_cell(r, base) for base in RATIO_BASES),
             cell(r.get("compile_s"), "{:.1f}"), _graphs(r), cell(r.get("compiles"), "{}"),
             cell(r.get("peak_mem_mb"), "{:.0f}"), cell(r.get("max_logit_diff"), "{:.1e}"),
-            cell(r.get("padding_frac"), "{:.0%}"), _issue(r)[:60],
+            cell(r.get("padding_frac"), "{:.0%}"), escape(_issue(r)[:60]),
         )
-    console = Console(width=max(Console().width, 180))  # a narrow or piped terminal would fold every cell
+    console = Console(width=max(Console().width, 200))  # a narrow or piped terminal would fold every cell
     console.print(table)
+    console.print("tok/s and ratios: median over the timed rounds [min-max], ratios paired per round; a bar is met "
+                  "if every round's ratio reaches its target, missed if none does, else not decided.",
+                  highlight=False, markup=False)
     for bar in report["bars"]:
-        met = {True: "[green]met[/]", False: "[red]missed[/]", None: "[yellow]n/a[/]"}[bar["met"]]
-        console.print(f"{bar['family']:>11}  {met}  {bar['bar']}: {cell(bar['value'], '{:.2f}')} "
-                      f"(target {bar['target']}) {bar['detail']}")
+        state = {"met": "[green]met[/]", "missed": "[red]missed[/]", "not decided": "[yellow]not decided[/]",
+                 "n/a": "[dim]n/a[/]"}[bar["status"]]
+        console.print(f"{bar['family']:>11}  {state}  {escape(bar['bar'])}: {bar_value_cell(bar)} "
+                      f"(target {bar['target']}) {escape(bar['detail'])}", highlight=False)
+    left_out = report["settings"].get("left_out") or {}
+    if left_out:
+        console.print(f"Left out of this run (--full runs them): {', '.join(left_out)}", highlight=False)
 

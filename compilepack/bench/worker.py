@@ -1,7 +1,10 @@
-"""One (family, mode) measurement, run in its own process: build the model, warm up (compile), time steps.
+"""One (family, mode) worker: build the model, check it, patch, compile and warm up, then run timed rounds on
+command, then summarize.
 
-A mode in its own process starts from empty dynamo and inductor in-memory caches, its peak memory is its own,
-and a compile that runs away can be stopped from outside without losing the other modes.
+A worker normally runs in its own process (see ``isolation``): it starts from empty dynamo and inductor
+in-memory caches, its peak memory is its own, and a compile or step that runs away can be stopped from outside
+without losing the other modes. The driver (``rounds``) keeps one worker per mode of a family alive and asks
+them for their timed rounds in turn, so a change in the machine's load hits every mode of a round alike.
 """
 
 from __future__ import annotations
@@ -9,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import statistics
+import time
 import traceback
 
 import torch
@@ -37,6 +42,8 @@ def empty_result(spec: ModeSpec) -> dict:
         "family": spec.family,
         "mode": spec.mode,
         "tokens_per_s": None,
+        "tokens_per_s_min": None,
+        "tokens_per_s_max": None,
         "compile_s": None,
         "graphs": None,
         "graph_breaks": None,
@@ -46,32 +53,214 @@ def empty_result(spec: ModeSpec) -> dict:
         "padding_frac": None,
         "error": None,
         "note": None,
+        "timed": [],
+        "rounds": [],
     }
 
 
-def run_in_child(spec: ModeSpec, connection) -> None:
-    """Process entry point: measure, sending ("progress", phase, figures so far) while going and
-    ("result", figures) at the end, so a mode stopped from outside still reports what it measured."""
+class ModeSession:
+    """One mode's state between commands. ``prepare()``: batches, model, the logits-alone check, patch, compile,
+    warm-up steps; ``run_round(r, position)``: timed round ``r`` (one step, or the grouped mode's long, middle
+    and short steps); ``finish()``: the optional profile and peak memory, and the figures. ``prepare`` and
+    ``run_round`` return False when the mode failed: the exception is the result's ``error`` (a stock model
+    refusing a packed batch is a result, not a crash) and the traceback goes to the mode's log. ``result``
+    always holds every figure measured so far, summarized after each round."""
+
+    def __init__(self, spec: ModeSpec, report=lambda phase, figures: None):
+        self.spec = spec
+        self.result = empty_result(spec)
+        self._report = report
+        self._rss = measure.PeakRss()
+        self._records: list[tuple[Batch, float, bool]] = []  # every step: batch, seconds, compiled
+        self._started = time.monotonic()
+
+    # ------------------------------------------------------------------------------------------ commands
+
+    def prepare(self) -> bool:
+        ok = self._attempt(self._prepare)
+        self.result["warmup_wall_s"] = round(time.monotonic() - self._started, 1)
+        self._rss.pause()
+        return ok
+
+    def run_round(self, index: int, position: int = 0) -> bool:
+        self._rss.resume()
+        ok = self._attempt(lambda: self._run_round(index, position))
+        self._rss.pause()
+        return ok
+
+    def finish(self) -> dict:
+        self._rss.resume()
+        if self.spec.profile and self.result["error"] is None and getattr(self, "_rounds", None):
+            self._attempt(self._profile)
+        self.result["peak_mem_mb"] = round(measure.peak_memory_mb(torch.device(self.spec.device), self._rss), 1)
+        return self.result
+
+    def _attempt(self, work) -> bool:
+        try:
+            work()
+            return True
+        except Exception as error:  # noqa: BLE001 (whatever the mode raised is its result)
+            self.result["error"] = _describe(error)
+            print(traceback.format_exc(), flush=True)  # into the mode's log
+            return False
+
+    def _phase(self, phase: str) -> None:
+        self._report(phase, self.result)
+
+    # ------------------------------------------------------------------------------------------ work
+
+    def _prepare(self) -> None:
+        import compilepack
+        from compilepack.patching import family_named
+
+        spec, result = self.spec, self.result
+        if spec.threads:
+            torch.set_num_threads(spec.threads)
+        result["threads"] = torch.get_num_threads()
+        self._device = torch.device(spec.device)
+        family, self._mode = family_named(spec.family), mode_named(spec.mode)
+        self._phase("batching")
+        warmup, self._rounds = self._mode.batches(spec.workload)
+        _record_padding(result, [batch for batches in self._rounds for batch in batches])
+        self._phase("building model")
+        model = build_model(family, spec.config, spec.workload.seed).to(self._device)
+        result["params_m"] = round(sum(p.numel() for p in model.parameters()) / 1e6, 2)
+        result["attn_implementation"] = model.config._attn_implementation
+        first = (warmup or self._rounds[0])[0]
+        self._check_docs = first.docs[: spec.check_docs]
+        self._phase("logits alone")
+        self._alone = measure.logits_alone(model, self._check_docs, self._device)
+        if self._mode.name == "stock_packed":
+            result["max_logit_diff_position_ids_only"] = _position_ids_only_diff(
+                model, first, self._check_docs, self._alone, self._device)
+        if self._mode.patched:
+            compilepack.patch(model)
+        self._step_model = _compiled(model, self._mode, spec.compile_backend)
+        self._optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        self._sync = measure.synchronizer(self._device)
+        self._counters = measure.CompileCounters()
+        self._compiles = 0
+        for index, batch in enumerate(warmup):
+            self._phase("compile + warm-up" if self._mode.compile is not EAGER else "warm-up")
+            self._step(batch)
+        result["warmup_steps"] = len(warmup)
+        self._summarize()
+
+    def _run_round(self, index: int, position: int) -> None:
+        batches = self._rounds[index]
+        for part, batch in enumerate(batches):
+            phase = f"round {index + 1}/{len(self._rounds)}"
+            self._phase(phase + (f", step {part + 1}/{len(batches)}" if len(batches) > 1 else ""))
+            load = measure.load_average()
+            seconds, compiled = self._step(batch)
+            self.result["timed"].append({"round": index, "position": position, "tokens": batch.real_tokens,
+                                         "seconds": round(seconds, 4), "load_avg": load, "compiled": compiled})
+        self._summarize()
+
+    def _step(self, batch: Batch) -> tuple[float, bool]:
+        first = not self._records
+        graphs_before = self._counters.graphs_total()
+        if first:
+            self._counters = measure.CompileCounters()  # the first step's graphs and breaks, nothing before it
+        seconds, logits = _train_step(self._step_model, batch, self._optimizer, self._sync, self._device,
+                                      keep_logits=first)
+        compiled = self._counters.graphs_total() > graphs_before
+        self._compiles += self._counters.graphs_total() - graphs_before
+        if first:
+            spans = measure.doc_spans(batch.tensors, self._check_docs)
+            self.result["max_logit_diff"] = measure.max_logit_diff(logits, spans, self._alone)
+            if self._mode.compile is not EAGER:
+                self.result.update(graphs=self._counters.graphs, graph_breaks=self._counters.breaks)
+                self.result["break_reasons"] = self._counters.break_reasons()
+        self._records.append((batch, seconds, compiled))
+        self.result["step_s"] = [round(s, 3) for _, s, _ in self._records]
+        self.result["real_tokens"] = [b.real_tokens for b, _, _ in self._records]
+        return seconds, compiled
+
+    def _summarize(self) -> None:
+        result = self.result
+        result.update(summarize_rounds(result["timed"]))
+        result["batches"] = len(self._records)  # "compiles" counts dynamo compiles over these batches
+        if self._mode.compile is EAGER:
+            return
+        result["compiles"] = self._compiles
+        tokens_per_s = result["tokens_per_s"]
+        if not tokens_per_s:
+            return
+        overhead = [max(0.0, s - b.real_tokens / tokens_per_s) for b, s, _ in self._records]
+        result["compile_s"] = round(overhead[0], 2)
+        result["recompile_s"] = round(sum(o for o, (_, _, c) in zip(overhead[1:], self._records[1:]) if c), 2)
+        result["timed_steps_that_compiled"] = sum(1 for step in result["timed"] if step["compiled"])
+
+    def _profile(self) -> None:
+        self._phase("profiling")
+        self.result["profile_top"] = _profile_step(self._step_model, self._rounds[-1][-1], self._optimizer,
+                                                   self._sync, self._device)
+
+
+def summarize_rounds(timed: list[dict]) -> dict:
+    """The rounds of a mode's timed steps (``{"round", "position", "tokens", "seconds", "load_avg",
+    "compiled"}`` each) and its tokens/s: the median over the rounds in which nothing compiled (over all rounds,
+    with a note, if every one compiled), with their min and max."""
+    rounds = {}
+    for step in timed:
+        entry = rounds.setdefault(step["round"], {"round": step["round"], "position": step["position"], "tokens": 0,
+                                                  "seconds": 0.0, "load_avg": step["load_avg"], "compiled": False})
+        entry["tokens"] += step["tokens"]
+        entry["seconds"] += step["seconds"]
+        entry["compiled"] = entry["compiled"] or step["compiled"]
+    for entry in rounds.values():
+        entry["seconds"] = round(entry["seconds"], 4)
+        entry["tokens_per_s"] = round(entry["tokens"] / entry["seconds"], 1) if entry["seconds"] > 0 else None
+    rounds = sorted(rounds.values(), key=lambda entry: entry["round"])
+    measured = [entry for entry in rounds if entry["tokens_per_s"]]
+    steady = [entry for entry in measured if not entry["compiled"]]
+    figures = {"rounds": rounds, "timed_steps": len(timed), "steady": bool(measured) and len(steady) == len(measured),
+               "tokens_per_s": None, "tokens_per_s_min": None, "tokens_per_s_max": None, "note": None}
+    if not measured:
+        return figures
+    values = [entry["tokens_per_s"] for entry in (steady or measured)]
+    figures.update(tokens_per_s=round(statistics.median(values), 1), tokens_per_s_min=min(values),
+                   tokens_per_s_max=max(values), real_tokens_timed=sum(entry["tokens"] for entry in measured))
+    if not steady:
+        figures["note"] = "every timed round recompiled: tokens/s includes compile time"
+    return figures
+
+
+# ------------------------------------------------------------------------------------------------ a process
+
+
+def serve(spec: ModeSpec, connection) -> None:
+    """Worker process entry point. Sends ("progress", phase, figures so far) while working, ("ready", figures)
+    once warmed up, ("round", figures) after each ("round", index, position) command, and ("result", figures)
+    after ("finish",) or when the mode failed; so a worker stopped from outside still reports what it measured."""
     with _output_to(spec.log_path):
         if spec.inductor_cache_dir:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = spec.inductor_cache_dir
         _import_family(spec)
-        result = measure_mode(spec, lambda phase, figures: connection.send(("progress", phase, dict(figures))))
-    connection.send(("result", result))
-    connection.close()
+        session = ModeSession(spec, lambda phase, figures: connection.send(("progress", phase, dict(figures))))
+        if session.prepare():
+            connection.send(("ready", dict(session.result)))
+            while True:
+                try:
+                    command = connection.recv()
+                except EOFError:  # the driver is gone
+                    return
+                if command[0] != "round" or not session.run_round(command[1], command[2]):
+                    break
+                connection.send(("round", dict(session.result)))
+        connection.send(("result", session.finish()))
+        connection.close()
 
 
 def measure_mode(spec: ModeSpec, report=lambda phase, figures: None) -> dict:
-    """Every figure of one mode; an exception becomes the result's ``error`` with what was measured before it."""
-    result = empty_result(spec)
-    rss = measure.PeakRss()
-    try:
-        _measure(spec, result, lambda phase: report(phase, result))
-    except Exception as error:  # a stock model refusing a packed batch is a result, not a crash
-        result["error"] = _describe(error)
-        print(traceback.format_exc(), flush=True)  # into the mode's log
-    result["peak_mem_mb"] = round(measure.peak_memory_mb(torch.device(spec.device), rss), 1)
-    return result
+    """Every figure of one mode on its own, in this process: warm up, every round, finish."""
+    session = ModeSession(spec, report)
+    if session.prepare():
+        for index in range(spec.workload.steps):
+            if not session.run_round(index):
+                break
+    return session.finish()
 
 
 def _import_family(spec: ModeSpec) -> None:
@@ -81,58 +270,12 @@ def _import_family(spec: ModeSpec) -> None:
 
     from compilepack.patching import family_named
 
-    try:
+    with contextlib.suppress(Exception):  # the session meets the same error and records it
         build_model(family_named(spec.family), spec.config, seed=0)
-    except Exception:  # measure_mode meets the same error and records it
-        pass
     gc.collect()
 
 
-def _measure(spec: ModeSpec, result: dict, report) -> None:
-    import compilepack
-    from compilepack.patching import family_named
-
-    if spec.threads:
-        torch.set_num_threads(spec.threads)
-    result["threads"] = torch.get_num_threads()
-    device = torch.device(spec.device)
-    family, mode = family_named(spec.family), mode_named(spec.mode)
-    report("batching")
-    warmup, timed = mode.batches(spec.workload)
-    _record_padding(result, timed)
-    report("building model")
-    model = build_model(family, spec.config, spec.workload.seed).to(device)
-    result["params_m"] = round(sum(p.numel() for p in model.parameters()) / 1e6, 2)
-    result["attn_implementation"] = model.config._attn_implementation
-    first = (warmup or timed)[0]
-    check_docs = first.docs[: spec.check_docs]
-    report("logits alone")
-    alone = measure.logits_alone(model, check_docs, device)
-    if mode.name == "stock_packed":
-        result["max_logit_diff_position_ids_only"] = _position_ids_only_diff(model, first, check_docs, alone, device)
-    if mode.patched:
-        compilepack.patch(model)
-    step_model = _compiled(model, mode, spec.compile_backend)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    counters = measure.CompileCounters()
-    sync = measure.synchronizer(device)
-    records = []
-    for index, batch in enumerate(warmup + timed):
-        report(_phase(mode, index, len(warmup), len(timed)))
-        graphs_before = counters.graphs
-        seconds, logits = _train_step(step_model, batch, optimizer, sync, device, keep_logits=index == 0)
-        if index == 0:
-            spans = measure.doc_spans(batch.tensors, check_docs)
-            result["max_logit_diff"] = measure.max_logit_diff(logits, spans, alone)
-            if mode.compile is not EAGER:
-                result.update(graphs=counters.graphs, graph_breaks=counters.breaks)
-                result["break_reasons"] = counters.break_reasons()
-        records.append((batch, seconds, counters.graphs > graphs_before))
-        result["step_s"] = [round(s, 3) for _, s, _ in records]
-    _summarize(records, len(warmup), mode, counters, result)
-    if spec.profile:
-        report("profiling")
-        result["profile_top"] = _profile_step(step_model, timed[-1], optimizer, sync, device)
+# ------------------------------------------------------------------------------------------------ steps
 
 
 def build_model(family, config, seed: int) -> torch.nn.Module:
@@ -194,37 +337,10 @@ def _position_ids_only_diff(model, batch: Batch, check_docs, alone, device) -> f
     return measure.max_logit_diff(logits, measure.doc_spans(batch.tensors, check_docs), alone)
 
 
-def _summarize(records, warmup_count: int, mode, counters, result: dict) -> None:
-    timed = records[warmup_count:]
-    steady = [(b, s) for b, s, compiled in timed if not compiled] or [(b, s) for b, s, _ in timed]
-    result["steady"] = len(steady) == len(timed) and not any(compiled for _, _, compiled in timed)
-    tokens_per_s = sum(b.real_tokens for b, _ in steady) / sum(s for _, s in steady)
-    result["tokens_per_s"] = round(tokens_per_s, 1)
-    result["real_tokens"] = [b.real_tokens for b, _, _ in records]
-    result["timed_steps"] = len(timed)
-    result["batches"] = len(records)  # "compiles" counts dynamo compiles over these batches
-    if mode.compile is EAGER:
-        return
-    overhead = [max(0.0, s - b.real_tokens / tokens_per_s) for b, s, _ in records]
-    result["compile_s"] = round(overhead[0], 2)
-    result["recompile_s"] = round(sum(o for o, (_, _, c) in zip(overhead[1:], records[1:]) if c), 2)
-    result["compiles"] = counters.graphs
-    result["timed_steps_that_compiled"] = sum(1 for _, _, c in timed if c)
-    if not result["steady"]:
-        result["note"] = "every timed step recompiled: tokens/s includes compile time"
-
-
 def _record_padding(result: dict, timed: list[Batch]) -> None:
     real = sum(b.real_tokens for b in timed)
     shaped = sum(b.shaped_tokens for b in timed)
     result["padding_frac"] = round(1 - real / shaped, 4)
-    result["real_tokens_timed"] = real
-
-
-def _phase(mode, index: int, warmups: int, timed: int) -> str:
-    if index < warmups:
-        return "compile + warm-up" if mode.compile is not EAGER else "warm-up"
-    return f"step {index - warmups + 1}/{timed}"
 
 
 def _describe(error: BaseException) -> str:
