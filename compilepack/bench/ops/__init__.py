@@ -3,12 +3,16 @@
     python -m compilepack.bench.ops                 # every op module of this package, CPU
     python -m compilepack.bench.ops --ops attention,causal_conv1d --T 4096 --n-docs 32
 
-A module of this package exposes ``NAME`` and ``setup(T, n_docs, device, seed)`` returning ``{"stock": fn,
-"packed": fn, "inputs": [tensors requiring grad]}``; both functions return one tensor. Stock runs on the packed
-row as transformers would (ignoring boundaries, except attention, whose stock path builds a dense mask), so
-its figure is a cost baseline, not a correct alternative. Forward and forward+backward are timed with stock and
-packed alternating, so load from other processes hits both alike; a figure is the median over repeats after
-warm-up, the ratio the median of per-repeat ratios. Writes ``ops-<device>-<date>.json`` and ``.md``.
+A module of this package exposes ``NAME`` and ``setup(T, n_docs, device, seed, equal_lengths=False)`` returning
+``{"stock": fn, "packed": fn, "inputs": [tensors requiring grad]}``; both functions return one tensor. Stock runs
+on the packed row as transformers would (ignoring boundaries, except attention, whose stock path builds a dense
+mask), so its figure is a cost baseline, not a correct alternative. With ``equal_lengths=True`` the row holds
+``n_docs`` documents of ``T / n_docs`` tokens and the case also has ``"batched"``: the stock function on the
+``[n_docs, L]`` batch of the same tokens, correct and without padding, the best a length-grouped padded batch can
+do (its output, through ``"batched_as_packed"`` where the layouts differ, must equal packed's). Forward and
+forward+backward are timed with the two sides alternating, so load from other processes hits both alike; a figure
+is the median over repeats after warm-up, the ratio the median of per-repeat ratios. Writes
+``ops-<device>-<date>.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--warmup", type=int, default=3, help="untimed repeats first (default: 3)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
     parser.add_argument("--out", default="benchmarks/results", help="output directory (default: benchmarks/results)")
+    parser.add_argument("--no-batched", dest="batched", action="store_false",
+                        help="skip the second comparison: packed vs stock on the batch of equal-length documents")
     return parser
 
 
@@ -82,13 +88,31 @@ def _bench_op(module, args) -> dict:
     try:
         case = module.setup(T=args.T, n_docs=args.n_docs, device=args.device, seed=args.seed)
         sync = _synchronizer(args.device)
-        grads = _output_grads(case, args.seed)
-        for pass_name, run in (("fwd", _forward), ("fwd+bwd", _forward_backward)):
-            row[pass_name] = _alternating(case, grads, run, sync, args.warmup, args.repeats)
+        row.update(_timed_passes(case, sync, args))
         row["max_abs_diff"] = _max_abs_diff(case)
+        if args.batched:
+            row["batched"] = _batched_row(module, args, sync)
     except Exception as error:  # one op failing must not hide the others
         row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
     print(_one_line(row), flush=True)
+    return row
+
+
+def _timed_passes(case: dict, sync, args) -> dict:
+    """Forward and forward+backward figures of ``case["stock"]`` vs ``case["packed"]``."""
+    grads = _output_grads(case, args.seed)
+    return {pass_name: _alternating(case, grads, run, sync, args.warmup, args.repeats)
+            for pass_name, run in (("fwd", _forward), ("fwd+bwd", _forward_backward))}
+
+
+def _batched_row(module, args, sync) -> dict:
+    """Packed vs the stock function on the batch of ``n_docs`` equal-length documents (the same tokens)."""
+    case = module.setup(T=args.T, n_docs=args.n_docs, device=args.device, seed=args.seed, equal_lengths=True)
+    as_packed = case.get("batched_as_packed", lambda out: out)
+    versus_batched = {**case, "stock": case["batched"]}
+    row = _timed_passes(versus_batched, sync, args)
+    with torch.no_grad():
+        row["max_abs_diff"] = _max_abs_diff({"stock": lambda: as_packed(case["batched"]()), "packed": case["packed"]})
     return row
 
 
@@ -155,7 +179,7 @@ def _report(args, rows: list[dict]) -> dict:
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "threads": torch.get_num_threads(),
         "settings": {"T": args.T, "n_docs": args.n_docs, "repeats": args.repeats, "warmup": args.warmup,
-                     "seed": args.seed},
+                     "seed": args.seed, "batched": args.batched},
         "results": rows,
     }
 
@@ -185,7 +209,37 @@ def markdown(report: dict) -> str:
             row.get("error") or "",
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    if settings.get("batched"):
+        lines += _batched_table(report)
     return "\n".join(lines) + "\n"
+
+
+def _batched_table(report: dict) -> list[str]:
+    settings = report["settings"]
+    length = settings["T"] // settings["n_docs"]
+    lines = [
+        "",
+        f"The same tokens as {settings['n_docs']} documents of {length}: packed vs the stock function on their "
+        f"`[{settings['n_docs']}, {length}]` batch (correct, no padding: the best a length-grouped padded batch can "
+        "do); speedup = stock batched time / packed time; max abs diff = |stock batched - packed| (both correct).",
+        "",
+        "| op | fwd batched ms | fwd packed ms | fwd speedup | fwd+bwd batched ms | fwd+bwd packed ms | "
+        "fwd+bwd speedup | max abs diff |",
+        "|---|--:|--:|--:|--:|--:|--:|--:|",
+    ]
+    for row in report["results"]:
+        batched = row.get("batched") or {}
+        fwd, both = batched.get("fwd") or {}, batched.get("fwd+bwd") or {}
+        cells = [
+            row["op"],
+            *(cell(fwd.get(k), "{:.2f}") for k in ("stock_ms", "packed_ms")),
+            cell(fwd.get("speedup"), "{:.2f}x"),
+            *(cell(both.get(k), "{:.2f}") for k in ("stock_ms", "packed_ms")),
+            cell(both.get("speedup"), "{:.2f}x"),
+            cell(batched.get("max_abs_diff"), "{:.1e}"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def _one_line(row: dict) -> str:

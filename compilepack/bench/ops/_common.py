@@ -11,8 +11,12 @@ import torch
 NAMES = ("stock", "packed")
 
 
-def doc_lengths_of(T: int, n_docs: int, generator: torch.Generator) -> list[int]:
-    """``n_docs`` random positive lengths summing to ``T``."""
+def doc_lengths_of(T: int, n_docs: int, generator: torch.Generator, equal: bool = False) -> list[int]:
+    """``n_docs`` positive lengths summing to ``T``: random, or all ``T / n_docs`` with ``equal``."""
+    if equal:
+        if T % n_docs:
+            raise ValueError(f"equal-length documents need T divisible by n_docs; got T={T}, n_docs={n_docs}")
+        return [T // n_docs] * n_docs
     cuts = torch.randperm(T - 1, generator=generator)[: n_docs - 1].add(1).sort().values.tolist()
     bounds = [0, *cuts, T]
     return [end - start for start, end in zip(bounds[:-1], bounds[1:])]
@@ -29,19 +33,35 @@ def seq_idx_of(lengths: list[int], device: str) -> torch.Tensor:
     return ids.to(torch.int32)[None].to(device)
 
 
-def delta_rule_case(stock_fn: Callable, varlen: Callable, inputs: list, cu_seqlens: torch.Tensor, device: str) -> dict:
+def as_rows(x: torch.Tensor, n_docs: int, time_dim: int) -> torch.Tensor:
+    """A ``[1, ...]`` packed-row tensor of ``n_docs`` equal-length documents as the batch of those documents: the
+    time dimension split into ``[n_docs, L]``, the documents first (a view, no copy)."""
+    return x[0].unflatten(time_dim - 1, (n_docs, -1)).movedim(time_dim - 1, 0)
+
+
+def equal_lengths_case(case: dict, batched: Callable, n_docs: int | None) -> dict:
+    """``case`` with ``batched`` added when its documents are equal-length (``n_docs`` given): the stock function on
+    the ``[n_docs, L]`` batch of the same tokens, no padding (what grouping by length approaches at best)."""
+    return {**case, "batched": batched} if n_docs else case
+
+
+def delta_rule_case(
+    stock_fn: Callable, varlen: Callable, inputs: list, cu_seqlens: torch.Tensor, device: str, equal_docs: int | None
+) -> dict:
     """A delta-rule op's case: transformers' chunk function (``q, k, v, g=, beta=``) on the packed row, without
-    boundaries, vs the op with them (on fla on CUDA); both L2-normalise q and k."""
+    boundaries, vs the op with them (on fla on CUDA); both L2-normalise q and k. With ``equal_docs`` equal-length
+    documents, also the stock function on their batch."""
     backend = "fla" if device.startswith("cuda") else "reference"
 
-    def stock():
-        q, k, v, g, beta = inputs
+    def stock(rows: int | None = None):
+        q, k, v, g, beta = (as_rows(x, rows, 1) for x in inputs) if rows else inputs
         return stock_fn(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)[0]
 
     def packed():
         return varlen(*inputs, cu_seqlens, use_qk_l2norm=True, backend=backend)
 
-    return {"stock": stock, "packed": packed, "inputs": inputs}
+    case = {"stock": stock, "packed": packed, "inputs": inputs}
+    return equal_lengths_case(case, lambda: stock(equal_docs), equal_docs)
 
 
 def alternating_ms(

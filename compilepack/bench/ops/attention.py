@@ -13,7 +13,7 @@ import types
 
 import torch
 
-from ._common import cu_seqlens_of, doc_lengths_of
+from ._common import cu_seqlens_of, doc_lengths_of, equal_lengths_case
 
 NAME = "attention"
 
@@ -32,14 +32,14 @@ def stock_packed_mask(lengths: list[int], heads: int, kv_heads: int, head_dim: i
 
 def setup(
     T: int = 2048, n_docs: int = 16, device: str = "cpu", seed: int = 0, *, heads: int = 8, kv_heads: int = 4,
-    head_dim: int = 64,
+    head_dim: int = 64, equal_lengths: bool = False,
 ) -> dict:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from compilepack.ops.attention import varlen_attention
 
     generator = torch.Generator().manual_seed(seed)
-    lengths = doc_lengths_of(T, n_docs, generator)
+    lengths = doc_lengths_of(T, n_docs, generator, equal_lengths)
     cu_seqlens = cu_seqlens_of(lengths, device)
     mask = stock_packed_mask(lengths, heads, kv_heads, head_dim).to(device)
     # [T, heads, head_dim]: the tokens-first layout of the packed op; stock sees the [1, heads, T, head_dim] view
@@ -56,4 +56,9 @@ def setup(
     def packed():
         return varlen_attention(q, k, v, cu_seqlens, max(lengths), backend=backend)
 
-    return {"stock": stock, "packed": packed, "inputs": [q, k, v]}
+    def batched():  # the documents as a [n, heads, L, head_dim] batch: plain causal sdpa, no mask
+        rows = [x.unflatten(0, (n_docs, -1)).transpose(1, 2) for x in (q, k, v)]
+        return sdpa_attention_forward(layer, *rows, None, scaling=head_dim**-0.5)[0]
+
+    case = {"stock": stock, "packed": packed, "inputs": [q, k, v]}
+    return equal_lengths_case(case, batched, n_docs if equal_lengths else None)

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import torch
 
-from ._common import alternating_ms, doc_lengths_of, medians, seq_idx_of
+from ._common import alternating_ms, as_rows, doc_lengths_of, equal_lengths_case, medians, seq_idx_of
 
 NAME = "causal_conv1d"
 
 
-def setup(T: int = 2048, n_docs: int = 16, device: str = "cpu", seed: int = 0, *, dim: int = 1024, width: int = 4):
+def setup(
+    T: int = 2048, n_docs: int = 16, device: str = "cpu", seed: int = 0, *, dim: int = 1024, width: int = 4,
+    equal_lengths: bool = False,
+):
     """``stock()`` runs transformers' torch fallback on the packed row (leaks across documents: the cost
     baseline); ``packed()`` runs the op on the same tokens, on causal-conv1d when on CUDA and installed."""
     from transformers.models.qwen3_next.modeling_qwen3_next import causal_conv1d_fn
@@ -23,7 +26,7 @@ def setup(T: int = 2048, n_docs: int = 16, device: str = "cpu", seed: int = 0, *
     from compilepack.ops.causal_conv1d import causal_conv1d_varlen
 
     generator = torch.Generator().manual_seed(seed)
-    seq_idx = seq_idx_of(doc_lengths_of(T, n_docs, generator), device)
+    seq_idx = seq_idx_of(doc_lengths_of(T, n_docs, generator, equal_lengths), device)
     x = torch.randn(1, T, dim, generator=generator).transpose(1, 2).to(device).requires_grad_()
     weight = torch.randn(dim, width, generator=generator).mul_(width**-0.5).to(device).requires_grad_()
     bias = torch.randn(dim, generator=generator).mul_(0.1).to(device).requires_grad_()
@@ -36,7 +39,12 @@ def setup(T: int = 2048, n_docs: int = 16, device: str = "cpu", seed: int = 0, *
     def packed():
         return causal_conv1d_varlen(x, weight, bias, seq_idx, "silu", backend=backend)
 
-    return {"stock": stock, "packed": packed, "inputs": [x, weight, bias]}
+    def batched():  # [n, dim, L]; the output compared with packed's as [1, dim, T]
+        return causal_conv1d_fn(as_rows(x, n_docs, 2), weight, bias, activation="silu")
+
+    case = {"stock": stock, "packed": packed, "inputs": [x, weight, bias],
+            "batched_as_packed": lambda out: out.movedim(0, 1).flatten(1)[None]}
+    return equal_lengths_case(case, batched, n_docs if equal_lengths else None)
 
 
 def _main() -> None:

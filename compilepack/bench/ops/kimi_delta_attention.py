@@ -31,7 +31,8 @@ def kimi_gate(T: int, heads: int, head_dim: int, generator: torch.Generator) -> 
 
 
 def setup(
-    T: int = 2048, n_docs: int = 16, device: str = "cpu", seed: int = 0, *, heads: int = 4, head_dim: int = 64
+    T: int = 2048, n_docs: int = 16, device: str = "cpu", seed: int = 0, *, heads: int = 4, head_dim: int = 64,
+    equal_lengths: bool = False,
 ) -> dict:
     from transformers.models.kimi_linear import modeling_kimi_linear
 
@@ -40,12 +41,13 @@ def setup(
     # the torch fallback itself: the hub-kernel wrapper around it only adds a warning and a kwargs filter
     stock_kda = inspect.unwrap(modeling_kimi_linear.chunk_kimi_delta_attention)
     generator = torch.Generator().manual_seed(seed)
-    cu_seqlens = cu_seqlens_of(doc_lengths_of(T, n_docs, generator), device)
+    cu_seqlens = cu_seqlens_of(doc_lengths_of(T, n_docs, generator, equal_lengths), device)
     q, k, v = (torch.randn(1, T, heads, head_dim, generator=generator) for _ in range(3))
     g = kimi_gate(T, heads, head_dim, generator)
     beta = torch.randn(1, T, heads, generator=generator).sigmoid()
     inputs = [x.to(device).requires_grad_() for x in (q, k, v, g, beta)]
-    return delta_rule_case(stock_kda, kimi_delta_attention_varlen, inputs, cu_seqlens, device)
+    return delta_rule_case(stock_kda, kimi_delta_attention_varlen, inputs, cu_seqlens, device,
+                           n_docs if equal_lengths else None)
 
 
 def _main() -> None:

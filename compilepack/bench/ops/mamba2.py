@@ -10,7 +10,15 @@ from __future__ import annotations
 
 import torch
 
-from ._common import alternating_ms, doc_lengths_of, medians, seq_idx_of, with_fresh_grads
+from ._common import (
+    alternating_ms,
+    as_rows,
+    doc_lengths_of,
+    equal_lengths_case,
+    medians,
+    seq_idx_of,
+    with_fresh_grads,
+)
 
 NAME = "mamba2"
 
@@ -21,14 +29,14 @@ def _backend(device: str) -> str:
 
 def setup(
     T: int = 2048, n_docs: int = 16, device: str = "cpu", seed: int = 0, *, chunk_size: int = 256, heads: int = 8,
-    head_dim: int = 64, groups: int = 1, state_size: int = 64,
+    head_dim: int = 64, groups: int = 1, state_size: int = 64, equal_lengths: bool = False,
 ) -> dict:
     from transformers.models.bamba.modeling_bamba import mamba2_chunk_scan
 
     from compilepack.ops.mamba2 import mamba2_chunk_scan_varlen
 
     generator = torch.Generator().manual_seed(seed)
-    seq_idx = seq_idx_of(doc_lengths_of(T, n_docs, generator), device)
+    seq_idx = seq_idx_of(doc_lengths_of(T, n_docs, generator, equal_lengths), device)
     x = torch.randn(1, T, heads, head_dim, generator=generator)
     dt = torch.randn(1, T, heads, generator=generator) - 2.0
     A = -torch.empty(heads).uniform_(1.0, 8.0, generator=generator)
@@ -39,8 +47,10 @@ def setup(
     inputs = [t.to(device).requires_grad_() for t in (x, dt, A, B, C, D, dt_bias)]
     backend = _backend(device)
 
-    def stock():
+    def stock(rows: int | None = None):
         x, dt, A, B, C, D, dt_bias = inputs
+        if rows:
+            x, dt, B, C = (as_rows(t, rows, 1) for t in (x, dt, B, C))
         return mamba2_chunk_scan(x, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, dt_softplus=True)
 
     def packed():
@@ -48,7 +58,8 @@ def setup(
         return mamba2_chunk_scan_varlen(x, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, dt_softplus=True,
                                         seq_idx=seq_idx, backend=backend)
 
-    return {"stock": stock, "packed": packed, "inputs": inputs}
+    case = {"stock": stock, "packed": packed, "inputs": inputs}
+    return equal_lengths_case(case, lambda: stock(n_docs), n_docs if equal_lengths else None)
 
 
 def _main() -> None:

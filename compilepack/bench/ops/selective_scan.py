@@ -17,20 +17,29 @@ import math
 
 import torch
 
-from ._common import alternating_ms, doc_lengths_of, medians, seq_idx_of, with_fresh_grads
+from ._common import (
+    alternating_ms,
+    as_rows,
+    doc_lengths_of,
+    equal_lengths_case,
+    medians,
+    seq_idx_of,
+    with_fresh_grads,
+)
 
 NAME = "selective_scan"
 
 
 def setup(
-    T: int = 2048, n_docs: int = 16, device: str = "cpu", seed: int = 0, *, dim: int = 512, state_size: int = 16
+    T: int = 2048, n_docs: int = 16, device: str = "cpu", seed: int = 0, *, dim: int = 512, state_size: int = 16,
+    equal_lengths: bool = False,
 ) -> dict:
     from transformers.models.mamba.modeling_mamba import mamba_selective_scan
 
     from compilepack.ops.selective_scan import selective_scan_varlen
 
     generator = torch.Generator().manual_seed(seed)
-    seq_idx = seq_idx_of(doc_lengths_of(T, n_docs, generator), device)
+    seq_idx = seq_idx_of(doc_lengths_of(T, n_docs, generator, equal_lengths), device)
     channel_last = lambda rows: torch.randn(1, T, rows, generator=generator).transpose(1, 2)  # noqa: E731
     u, z = channel_last(dim), channel_last(dim)
     B, C = channel_last(state_size), channel_last(state_size)
@@ -41,8 +50,10 @@ def setup(
     D = torch.ones(dim)
     inputs = [t.to(device).requires_grad_() for t in (u, delta, A, B, C, D, z, delta_bias)]
 
-    def stock():
+    def stock(rows: int | None = None):
         u, delta, A, B, C, D, z, delta_bias = inputs
+        if rows:  # every [1, channels, T] input as [rows, channels, L]
+            u, delta, B, C, z = (as_rows(t, rows, 2) for t in (u, delta, B, C, z))
         return mamba_selective_scan(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=True)
 
     def packed():
@@ -50,7 +61,9 @@ def setup(
         return selective_scan_varlen(u, delta, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=True,
                                      seq_idx=seq_idx)
 
-    return {"stock": stock, "packed": packed, "inputs": inputs}
+    case = {"stock": stock, "packed": packed, "inputs": inputs,
+            "batched_as_packed": lambda out: out.movedim(0, 1).flatten(1)[None]}
+    return equal_lengths_case(case, lambda: stock(n_docs), n_docs if equal_lengths else None)
 
 
 def _main() -> None:
