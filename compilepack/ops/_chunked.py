@@ -92,6 +92,19 @@ def fake_chunk_states(q: Tensor, v: Tensor, chunk: int) -> tuple[Tensor, list[Te
     return v.new_empty(v.shape, dtype=q.dtype), [states]
 
 
+def fake_chunk_states_and_inverses(q: Tensor, v: Tensor, chunk: int) -> tuple[Tensor, list[Tensor]]:
+    """:func:`fake_chunk_states` plus the second saved tensor: every chunk's ``A^-1`` (``[NC, HV, C, C]``) flat."""
+    o, [states] = fake_chunk_states(q, v, chunk)
+    n_chunks = -(-q.shape[0] * q.shape[1] // chunk)
+    return o, [states, states.new_empty(n_chunks * v.shape[2] * chunk * chunk)]
+
+
+def saved_inverses(flat: Tensor, q: Tensor, v: Tensor, chunk: int) -> Tensor:
+    """The forward's flat ``A^-1`` as ``[NC, H, G, C, C]``."""
+    n_chunks, heads = -(-q.shape[0] * q.shape[1] // chunk), q.shape[2]
+    return flat.view(n_chunks, heads, v.shape[2] // heads, chunk, chunk)
+
+
 def segmented_cumsum(x: Tensor, same_doc: Tensor, tokens_dim: int = -1) -> Tensor:
     """Cumulative sum over a chunk's tokens that restarts at every document start:
     ``out_i = sum_{j <= i, same doc} x_j``.

@@ -6,9 +6,13 @@ Every in-chunk accumulation (the cumulative decay, its gradient) restarts at doc
 results never depend on another document's values, not even by rounding. The chunk loop lives inside the op, so
 the compiler never unrolls it (the stock function recompiles for every new length).
 
-The backward is explicit: the forward saves the state at the start of every chunk; the backward recomputes the
-chunk-parallel quantities, runs one reverse loop over chunks for the state gradient (two small matmuls per chunk,
-no autograd), and derives every input gradient with batched matmuls.
+The backward is explicit: the forward saves the state at the start of every chunk and the inverse of every chunk's
+UT matrix ``A`` (``[C, C]`` per chunk and value head: ``T * C`` numbers per head, what fla saves too); the backward
+recomputes the other chunk-parallel quantities, runs one reverse loop over chunks for the state gradient (two small
+matmuls per chunk, no autograd), and derives every input gradient with batched matmuls. With ``A^-1`` saved, no
+triangular solve runs in the backward and the forward solves for ``C`` columns instead of ``K + V``: 25% less time
+for the op's forward + backward on a bench row (8141 tokens, 52 documents, H=4, HV=8, K=V=32, 1 thread; 67 + 143 ms
+against 75 + 175-211 ms with the two solves).
 
 Layout inside: chunks first, ``[NC, H, G, C, D]`` with ``G = HV // H`` value heads per q/k head; q/k quantities
 keep a size-1 G axis, so ``q k^T`` and ``k k^T`` are computed once per q/k head.
@@ -19,7 +23,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._chunked import ChunkedInputs, fake_chunk_states, segmented_cumsum, segmented_cumsum_backward
+from .._chunked import (
+    ChunkedInputs,
+    fake_chunk_states_and_inverses,
+    saved_inverses,
+    segmented_cumsum,
+    segmented_cumsum_backward,
+)
 from .._scaffold import Path
 
 # The chunk: exact for any value. Its [C, C] pair tensors cost T * C per op and the backward's elementwise passes
@@ -41,15 +51,15 @@ class _Chunks(ChunkedInputs):
     last document and ``carry = exp(gamma_C)`` when that document started before the chunk (else 0).
     """
 
-    def __init__(self, q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale):
+    def __init__(self, q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale, a_inv: Tensor | None = None):
         super().__init__(q, k, v, beta, cu_seqlens, use_qk_l2norm, scale, CHUNK)
         self.beta = self.beta.squeeze(-1)  # [NC, H, G, C]
         self.reads_state = self.reads_state_NC[:, None, None, :]  # [NC, 1, 1, C]: broadcasts over H, G
         self.in_last_doc = self.in_last_doc_NC[:, None, None, :]
         self.gamma = segmented_cumsum(self.chunked(g[..., None]).squeeze(-1), self.same_doc)  # [NC, H, G, C]
-        self._intra()
+        self._intra(a_inv)
 
-    def _intra(self) -> None:
+    def _intra(self, a_inv: Tensor | None) -> None:
         gamma, gamma_last = self.gamma, self.gamma[..., -1:]
         pairwise = (gamma[..., :, None] - gamma[..., None, :]).masked_fill(~self.same_doc[:, None, None], -torch.inf)
         self.decay = pairwise.exp()  # [NC, H, G, C, C]
@@ -60,10 +70,15 @@ class _Chunks(ChunkedInputs):
         self.kk = self.k @ self.k.transpose(-1, -2)  # [NC, H, 1, C, C]
         self.qk = self.q @ self.k.transpose(-1, -2)
         eye = torch.eye(CHUNK, device=gamma.device, dtype=gamma.dtype)
-        self.A = (self.beta[..., None] * self.kk * self.decay).tril(-1) + eye
+        if a_inv is None:  # the backward gets it from the forward
+            A = (self.beta[..., None] * self.kk * self.decay).tril(-1) + eye
+            a_inv = torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True)
+        # A^-1 is block-diagonal by document too (forward substitution only ever adds exact zeros across
+        # documents), so the products with it keep documents apart exactly
+        self.A_inv = a_inv  # [NC, H, G, C, C]
         self.bk = self.k * (self.beta * self.e)[..., None]  # [NC, H, G, C, K]
         rhs = torch.cat([self.v * self.beta[..., None], self.bk], -1)
-        uw = torch.linalg.solve_triangular(self.A, rhs, upper=False, unitriangular=True)
+        uw = a_inv @ rhs
         self.u, self.w = uw.split([self.v.shape[-1], self.k.shape[-1]], -1)
         self.qe = self.q * self.e[..., None]  # [NC, H, G, C, K]
         self.attn = self.qk * self.decay
@@ -78,11 +93,11 @@ def forward(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
     o = c.tokens(o).reshape(v.shape).to(q.dtype)
     # flat, so the chunk count is never a dimension of its own: the compiler specialises a size-1 dimension,
     # which would cost one recompile for every batch of at most one chunk
-    return o, [states.view(-1)]
+    return o, [states.view(-1), c.A_inv.reshape(-1)]
 
 
 def fake(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
-    return fake_chunk_states(q, v, CHUNK)
+    return fake_chunk_states_and_inverses(q, v, CHUNK)
 
 
 def _chunk_start_states(u: Tensor, w: Tensor, k_out: Tensor, carry: Tensor) -> Tensor:
@@ -98,8 +113,8 @@ def _chunk_start_states(u: Tensor, w: Tensor, k_out: Tensor, carry: Tensor) -> T
 
 
 def backward(do, o, saved, needs_grad, q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
-    (flat_states,) = saved
-    c = _Chunks(q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale)
+    flat_states, flat_inverses = saved
+    c = _Chunks(q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale, saved_inverses(flat_inverses, q, v, CHUNK))
     states = flat_states.view(*c.u.shape[:3], c.w.shape[-1], c.u.shape[-1])  # [NC, H, G, K, V]
     do_c = c.chunked(do)  # [NC, H, G, C, V]
     v_new = c.u - c.w @ states
@@ -112,9 +127,7 @@ def backward(do, o, saved, needs_grad, q, k, v, g, beta, cu_seqlens, cu_seqlens_
     d_carry = (states * d_states_end).sum((-2, -1))[..., None]  # [NC, H, G, 1]
 
     # through U, W = A^-1 [beta v, beta e k]: d rhs = A^-T [dU, dW]; dA = -(d rhs) [U, W]^T on the strict lower part
-    d_rhs = torch.linalg.solve_triangular(
-        c.A.transpose(-1, -2), torch.cat([d_v_new, d_w], -1), upper=True, unitriangular=True
-    )
+    d_rhs = c.A_inv.transpose(-1, -2) @ torch.cat([d_v_new, d_w], -1)
     d_bv, d_bk = d_rhs.split([c.v.shape[-1], c.k.shape[-1]], -1)
     d_A = -(d_bv @ c.u.transpose(-1, -2) + d_bk @ c.w.transpose(-1, -2)).tril(-1)
 
