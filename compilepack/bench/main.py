@@ -40,8 +40,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--mode-timeout", type=float, default=120.0,
                         help="seconds a mode's worker may take to get ready (build, check, compile, warm-up) "
                              "before it is stopped and reported as timed out (default: 120)")
-    parser.add_argument("--step-timeout", type=float, default=120.0,
-                        help="seconds a mode may take for one timed round (default: 120)")
+    parser.add_argument("--step-timeout", type=float, default=300.0,
+                        help="seconds a mode may take for one timed round, a stop for a step that hangs, not a "
+                             "budget: on 2 idle cores the slowest round takes ~17 s (default: 300)")
     parser.add_argument("--warmup", choices=("concurrent", "serial"), default="concurrent",
                         help="concurrent: a family's workers warm up (compile) together, faster (default); "
                              "serial: one after another, compile times without contention")
