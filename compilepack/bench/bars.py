@@ -112,8 +112,9 @@ def _ratio_bar(family, bar, by_mode, numerator, denominator, target, note="") ->
     if not ratios:
         return _entry(family, bar, target, detail + ": no round measured by both")
     low, high = min(ratios), max(ratios)
-    return _entry(family, bar, target, detail + f", {len(ratios)} paired rounds", round(statistics.median(ratios), 2),
-                  round(low, 2), round(high, 2), status(low, high, target), [round(r, 3) for r in ratios])
+    detail += f", {len(ratios)} paired round{'s' * (len(ratios) != 1)}"
+    return _entry(family, bar, target, detail, round(statistics.median(ratios), 2), round(low, 2), round(high, 2),
+                  status(low, high, target), [round(r, 3) for r in ratios])
 
 
 def _why_missing(by_mode: dict, modes) -> str:
