@@ -278,3 +278,26 @@ def test_a_dying_worker_is_recorded(tmp_path):
     os.kill(worker._process.pid, signal.SIGKILL)
     assert not worker.run_round(0, 0, timeout_s=120)
     assert worker.result["error"].startswith("the mode's process died (exit code -9)")
+
+
+def test_an_interrupted_run_stops_waiting_workers_at_once(tmp_path):
+    import time
+
+    worker = _process_worker(tmp_path)
+    assert worker.await_ready(timeout_s=120)
+    started = time.monotonic()
+    worker.stop()  # what run_family's finally does when the run is interrupted: no result is coming
+    assert time.monotonic() - started < 5 and not worker._process.is_alive()
+
+
+def test_grouped_rounds_take_a_long_a_middle_and_a_short_step_snake_wise():
+    from compilepack.bench import data
+
+    workload = modes.Workload(tokens_per_step=256, steps=3)
+    pool = workload._steps(workload.warmup_steps + workload.group_pool)[workload.warmup_steps :]
+    positions = data.evenly_spaced(data.grouped_by_length(pool, 256), 9)  # longest documents first
+    rounds = workload.grouped_rounds()
+    assert [[positions.index(step) for step in steps] for steps in rounds] == [[0, 5, 6], [1, 4, 7], [2, 3, 8]]
+    one_round = modes.Workload(tokens_per_step=256, steps=1)
+    pool = one_round._steps(one_round.warmup_steps + one_round.group_pool)[one_round.warmup_steps :]
+    assert one_round.grouped_rounds() == [data.evenly_spaced(data.grouped_by_length(pool, 256), 3)]

@@ -46,6 +46,7 @@ class ProcessWorker:
         self._process = None
         self._receiver = None
         self._ended = False
+        self._sent_result = False
 
     def start(self) -> None:
         self._receiver, sender = self._context.Pipe(duplex=True)
@@ -73,11 +74,12 @@ class ProcessWorker:
         self.stop()
         return self.result
 
-    def stop(self, wait_s: float = 10.0) -> None:
-        """Let a worker that is done exit (up to ``wait_s``), then stop whatever is left of it."""
+    def stop(self) -> None:
+        """Let a worker that sent its result exit (up to 10 s), then stop whatever is left of it; a worker that
+        did not (stopped at a limit, or the run interrupted) is stopped at once."""
         self._ended = True
         if self._process is not None and self._process.pid is not None:
-            self._process.join(wait_s)
+            self._process.join(10 if self._sent_result else 0)
             _stop(self._process)
 
     def _send(self, command: tuple) -> bool:
@@ -111,6 +113,7 @@ class ProcessWorker:
                     continue
                 self.result = message[1]
                 if message[0] == "result":
+                    self._sent_result = True
                     self.stop()
                     return kind == "result"
                 if message[0] == kind:
@@ -120,7 +123,7 @@ class ProcessWorker:
                 return False
 
     def _end(self, error: str) -> None:
-        self.stop(wait_s=0)
+        self.stop()
         self.result = dict(self.result, error=error)
 
 

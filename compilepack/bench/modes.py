@@ -54,13 +54,16 @@ class Workload:
     def grouped_rounds(self) -> list[list]:
         """Each round's steps of the length-sorted pool (the timed arrival steps and the ones after them):
         ``steps * grouped_per_round`` steps at evenly spaced positions from the longest documents to the
-        shortest, dealt out so that round ``r`` takes positions ``r, r + steps, r + 2 * steps, ...``: every round
-        has a long, a middle and a short step, and no two rounds share one."""
+        shortest, cut into ``grouped_per_round`` bands (long, middle, short) of ``steps`` positions and dealt out
+        like a snake draft: round ``r`` takes position ``r`` of the first band, ``steps - 1 - r`` of the second,
+        ``r`` of the third, ... So every round has a long, a middle and a short step, no two rounds share one,
+        and no round gets the longest of every band."""
         count = self.steps * self.grouped_per_round
         pool = self._steps(self.warmup_steps + max(count, self.group_pool))[self.warmup_steps :]
         grouped = data.grouped_by_length(pool, self.tokens_per_step)
         positions = data.evenly_spaced(grouped, count)
-        return [positions[r :: self.steps] for r in range(self.steps)]
+        return [[positions[band * self.steps + (r if band % 2 == 0 else self.steps - 1 - r)]
+                 for band in range(self.grouped_per_round)] for r in range(self.steps)]
 
     def _steps(self, count: int) -> list:
         lengths, seed = [], self.seed
