@@ -71,8 +71,14 @@ class Family:
     @property
     def supported_transformers(self) -> str:
         """The transformers releases this family is tested on, as a specifier (``">=5.18,<5.25"``)."""
-        specifiers = SpecifierSet(TESTED_TRANSFORMERS) & SpecifierSet(self.transformers)
-        return ",".join(sorted(map(str, specifiers), key=lambda s: (s.startswith("<"), s)))  # lower bounds first
+        specifiers = list(SpecifierSet(TESTED_TRANSFORMERS) & SpecifierSet(self.transformers))
+        # the tightest ">=" and "<" bound of the two sets: ">=5.23,<5.25", not ">=5.18,>=5.23,<5.25"
+        lower = [s for s in specifiers if s.operator == ">="]
+        upper = [s for s in specifiers if s.operator == "<"]
+        others = [s for s in specifiers if s not in lower + upper]
+        tightest = [max(lower, key=lambda s: Version(s.version))] * bool(lower)
+        tightest += [min(upper, key=lambda s: Version(s.version))] * bool(upper)
+        return ",".join(map(str, tightest + sorted(others, key=str)))  # lower bound first
 
     @property
     def available(self) -> bool:
