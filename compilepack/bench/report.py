@@ -231,7 +231,7 @@ def print_console(report: dict) -> None:
     for column in ("family", "mode", "tok/s", "x pad eager", "x pad comp", "x grouped", "compile s",
                    "graphs/brk", "compiles", "peak MB", "max diff", "padding"):
         table.add_column(column, no_wrap=True)
-    table.add_column("error / note", overflow="fold")
+    table.add_column("error / note", overflow="fold", min_width=24)
     for r in report["results"]:
         table.add_row(
             r["family"], r["mode"], tokens_cell(r),
