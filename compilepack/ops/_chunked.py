@@ -84,25 +84,31 @@ class ChunkedInputs:
         return d_q, l2norm_backward(self.tokens(d_k), self.k_unit, self.k_rstd)
 
 
-def fake_chunk_states(q: Tensor, v: Tensor, chunk: int) -> tuple[Tensor, list[Tensor]]:
-    """What a delta-rule reference's forward returns: ``o`` in q's dtype, and the state at every chunk start
-    (``[NC, HV, K, V]``) flat, in the compute dtype."""
-    n_chunks = -(-q.shape[0] * q.shape[1] // chunk)
-    states = q.new_empty(n_chunks * v.shape[2] * q.shape[3] * v.shape[3], dtype=compute_dtype(q))
-    return v.new_empty(v.shape, dtype=q.dtype), [states]
+def _chunk_count(q: Tensor, chunk: int) -> int:
+    return -(-q.shape[0] * q.shape[1] // chunk)
 
 
 def fake_chunk_states_and_inverses(q: Tensor, v: Tensor, chunk: int) -> tuple[Tensor, list[Tensor]]:
-    """:func:`fake_chunk_states` plus the second saved tensor: every chunk's ``A^-1`` (``[NC, HV, C, C]``) flat."""
-    o, [states] = fake_chunk_states(q, v, chunk)
-    n_chunks = -(-q.shape[0] * q.shape[1] // chunk)
-    return o, [states, states.new_empty(n_chunks * v.shape[2] * chunk * chunk)]
+    """What a delta-rule reference's forward returns: ``o`` in q's dtype, and, flat in the compute dtype, the state
+    at every chunk start (``[NC, HV, K, V]``) and every chunk's ``A^-1`` (``[NC, HV, C, C]``)."""
+    n_chunks, value_heads, dtype = _chunk_count(q, chunk), v.shape[2], compute_dtype(q)
+    states = q.new_empty(n_chunks * value_heads * q.shape[3] * v.shape[3], dtype=dtype)
+    inverses = q.new_empty(n_chunks * value_heads * chunk * chunk, dtype=dtype)
+    return v.new_empty(v.shape, dtype=q.dtype), [states, inverses]
 
 
 def saved_inverses(flat: Tensor, q: Tensor, v: Tensor, chunk: int) -> Tensor:
     """The forward's flat ``A^-1`` as ``[NC, H, G, C, C]``."""
-    n_chunks, heads = -(-q.shape[0] * q.shape[1] // chunk), q.shape[2]
-    return flat.view(n_chunks, heads, v.shape[2] // heads, chunk, chunk)
+    heads = q.shape[2]
+    return flat.view(_chunk_count(q, chunk), heads, v.shape[2] // heads, chunk, chunk)
+
+
+def unit_lower_inverse(pairs: Tensor) -> Tensor:
+    """``A^-1`` for ``A = I + strict_lower(pairs)`` (``[..., C, C]``), the delta rules' UT matrix: one triangular
+    solve for ``C`` columns. Where ``pairs`` is block-diagonal by document so is the inverse (forward substitution
+    only ever adds exact zeros across documents), so products with it keep documents apart exactly."""
+    eye = torch.eye(pairs.shape[-1], device=pairs.device, dtype=pairs.dtype)
+    return torch.linalg.solve_triangular(pairs.tril(-1) + eye, eye, upper=False, unitriangular=True)
 
 
 def segmented_cumsum(x: Tensor, same_doc: Tensor, tokens_dim: int = -1) -> Tensor:

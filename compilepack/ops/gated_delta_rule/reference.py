@@ -29,6 +29,7 @@ from .._chunked import (
     saved_inverses,
     segmented_cumsum,
     segmented_cumsum_backward,
+    unit_lower_inverse,
 )
 from .._scaffold import Path
 
@@ -69,16 +70,11 @@ class _Chunks(ChunkedInputs):
         self.carry = gamma_last.exp() * self.reads_state[..., -1:]  # [NC, H, G, 1]
         self.kk = self.k @ self.k.transpose(-1, -2)  # [NC, H, 1, C, C]
         self.qk = self.q @ self.k.transpose(-1, -2)
-        eye = torch.eye(CHUNK, device=gamma.device, dtype=gamma.dtype)
-        if a_inv is None:  # the backward gets it from the forward
-            A = (self.beta[..., None] * self.kk * self.decay).tril(-1) + eye
-            a_inv = torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True)
-        # A^-1 is block-diagonal by document too (forward substitution only ever adds exact zeros across
-        # documents), so the products with it keep documents apart exactly
-        self.A_inv = a_inv  # [NC, H, G, C, C]
+        # the backward gets A^-1 from the forward
+        self.A_inv = unit_lower_inverse(self.beta[..., None] * self.kk * self.decay) if a_inv is None else a_inv
         self.bk = self.k * (self.beta * self.e)[..., None]  # [NC, H, G, C, K]
         rhs = torch.cat([self.v * self.beta[..., None], self.bk], -1)
-        uw = a_inv @ rhs
+        uw = self.A_inv @ rhs
         self.u, self.w = uw.split([self.v.shape[-1], self.k.shape[-1]], -1)
         self.qe = self.q * self.e[..., None]  # [NC, H, G, C, K]
         self.attn = self.qk * self.decay

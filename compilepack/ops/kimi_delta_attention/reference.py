@@ -43,6 +43,7 @@ from .._chunked import (
     saved_inverses,
     segmented_cumsum,
     segmented_cumsum_backward,
+    unit_lower_inverse,
 )
 from .._scaffold import Path
 
@@ -141,16 +142,12 @@ class _Chunks(ChunkedInputs):
         _diagonal_blocks(self.kk).add_(kk_block)
 
     def _solve(self, a_inv: Tensor | None) -> None:
-        if a_inv is None:  # the backward gets it from the forward
-            eye = torch.eye(CHUNK, device=self.gamma.device, dtype=self.gamma.dtype)
-            A = (self.beta * self.kk).tril(-1) + eye
-            a_inv = torch.linalg.solve_triangular(A, eye, upper=False, unitriangular=True)
-        # block-diagonal by document, as A: forward substitution only adds exact zeros across documents
-        self.A_inv = a_inv  # [NC, H, G, C, C]
+        # the backward gets A^-1 from the forward
+        self.A_inv = unit_lower_inverse(self.beta * self.kk) if a_inv is None else a_inv  # [NC, H, G, C, C]
         self.ke = self.k * self.e  # [NC, H, G, C, K]
         self.bke = self.ke * self.beta
         rhs = torch.cat([self.v * self.beta, self.bke], -1)
-        uw = a_inv @ rhs
+        uw = self.A_inv @ rhs
         self.u, self.w = uw.split([self.v.shape[-1], self.k.shape[-1]], -1)
         self.qe = self.q * self.e
         self.k_out = self.k * self.out_decay
