@@ -111,8 +111,7 @@ def _batched_row(module, args, sync) -> dict:
     as_packed = case.get("batched_as_packed", lambda out: out)
     versus_batched = {**case, "stock": case["batched"]}
     row = _timed_passes(versus_batched, sync, args)
-    with torch.no_grad():
-        row["max_abs_diff"] = _max_abs_diff({"stock": lambda: as_packed(case["batched"]()), "packed": case["packed"]})
+    row["max_abs_diff"] = _max_abs_diff({"stock": lambda: as_packed(case["batched"]()), "packed": case["packed"]})
     return row
 
 
@@ -198,16 +197,7 @@ def markdown(report: dict) -> str:
         "|---|--:|--:|--:|--:|--:|--:|--:|---|",
     ]
     for row in report["results"]:
-        fwd, both = row.get("fwd") or {}, row.get("fwd+bwd") or {}
-        cells = [
-            row["op"],
-            *(cell(fwd.get(k), "{:.2f}") for k in ("stock_ms", "packed_ms")),
-            cell(fwd.get("speedup"), "{:.2f}x"),
-            *(cell(both.get(k), "{:.2f}") for k in ("stock_ms", "packed_ms")),
-            cell(both.get("speedup"), "{:.2f}x"),
-            cell(row.get("max_abs_diff"), "{:.1e}"),
-            row.get("error") or "",
-        ]
+        cells = [row["op"], *_comparison_cells(row), row.get("error") or ""]
         lines.append("| " + " | ".join(cells) + " |")
     if settings.get("batched"):
         lines += _batched_table(report)
@@ -228,18 +218,18 @@ def _batched_table(report: dict) -> list[str]:
         "|---|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for row in report["results"]:
-        batched = row.get("batched") or {}
-        fwd, both = batched.get("fwd") or {}, batched.get("fwd+bwd") or {}
-        cells = [
-            row["op"],
-            *(cell(fwd.get(k), "{:.2f}") for k in ("stock_ms", "packed_ms")),
-            cell(fwd.get("speedup"), "{:.2f}x"),
-            *(cell(both.get(k), "{:.2f}") for k in ("stock_ms", "packed_ms")),
-            cell(both.get("speedup"), "{:.2f}x"),
-            cell(batched.get("max_abs_diff"), "{:.1e}"),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join([row["op"], *_comparison_cells(row.get("batched") or {})]) + " |")
     return lines
+
+
+def _comparison_cells(figures: dict) -> list[str]:
+    """One comparison's table cells: stock ms, packed ms and speedup for fwd, then fwd+bwd, then max abs diff."""
+    cells = []
+    for pass_name in ("fwd", "fwd+bwd"):
+        timing = figures.get(pass_name) or {}
+        cells += [cell(timing.get("stock_ms"), "{:.2f}"), cell(timing.get("packed_ms"), "{:.2f}"),
+                  cell(timing.get("speedup"), "{:.2f}x")]
+    return [*cells, cell(figures.get("max_abs_diff"), "{:.1e}")]
 
 
 def _one_line(row: dict) -> str:

@@ -39,10 +39,10 @@ def as_rows(x: torch.Tensor, n_docs: int, time_dim: int) -> torch.Tensor:
     return x[0].unflatten(time_dim - 1, (n_docs, -1)).movedim(time_dim - 1, 0)
 
 
-def equal_lengths_case(case: dict, batched: Callable, n_docs: int | None) -> dict:
-    """``case`` with ``batched`` added when its documents are equal-length (``n_docs`` given): the stock function on
-    the ``[n_docs, L]`` batch of the same tokens, no padding (what grouping by length approaches at best)."""
-    return {**case, "batched": batched} if n_docs else case
+def equal_lengths_case(case: dict, batched: Callable, equal_lengths: bool) -> dict:
+    """``case`` with ``batched`` added when its documents are equal-length: the stock function on the ``[n_docs, L]``
+    batch of the same tokens, no padding (what grouping by length approaches at best)."""
+    return {**case, "batched": batched} if equal_lengths else case
 
 
 def delta_rule_case(
@@ -61,7 +61,7 @@ def delta_rule_case(
         return varlen(*inputs, cu_seqlens, use_qk_l2norm=True, backend=backend)
 
     case = {"stock": stock, "packed": packed, "inputs": inputs}
-    return equal_lengths_case(case, lambda: stock(equal_docs), equal_docs)
+    return equal_lengths_case(case, lambda: stock(equal_docs), equal_docs is not None)
 
 
 def alternating_ms(

@@ -61,4 +61,4 @@ def setup(
         return sdpa_attention_forward(layer, *rows, None, scaling=head_dim**-0.5)[0]
 
     case = {"stock": stock, "packed": packed, "inputs": [q, k, v]}
-    return equal_lengths_case(case, batched, n_docs if equal_lengths else None)
+    return equal_lengths_case(case, batched, equal_lengths)

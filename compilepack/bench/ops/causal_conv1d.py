@@ -44,7 +44,7 @@ def setup(
 
     case = {"stock": stock, "packed": packed, "inputs": [x, weight, bias],
             "batched_as_packed": lambda out: out.movedim(0, 1).flatten(1)[None]}
-    return equal_lengths_case(case, batched, n_docs if equal_lengths else None)
+    return equal_lengths_case(case, batched, equal_lengths)
 
 
 def _main() -> None:

@@ -59,7 +59,7 @@ def setup(
                                         seq_idx=seq_idx, backend=backend)
 
     case = {"stock": stock, "packed": packed, "inputs": inputs}
-    return equal_lengths_case(case, lambda: stock(n_docs), n_docs if equal_lengths else None)
+    return equal_lengths_case(case, lambda: stock(n_docs), equal_lengths)
 
 
 def _main() -> None:

@@ -63,7 +63,7 @@ def setup(
 
     case = {"stock": stock, "packed": packed, "inputs": inputs,
             "batched_as_packed": lambda out: out.movedim(0, 1).flatten(1)[None]}
-    return equal_lengths_case(case, lambda: stock(n_docs), n_docs if equal_lengths else None)
+    return equal_lengths_case(case, lambda: stock(n_docs), equal_lengths)
 
 
 def _main() -> None:
