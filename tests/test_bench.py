@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 
 import pytest
 
@@ -301,3 +302,28 @@ def test_grouped_rounds_take_a_long_a_middle_and_a_short_step_snake_wise():
     one_round = modes.Workload(tokens_per_step=256, steps=1)
     pool = one_round._steps(one_round.warmup_steps + one_round.group_pool)[one_round.warmup_steps :]
     assert one_round.grouped_rounds() == [data.evenly_spaced(data.grouped_by_length(pool, 256), 3)]
+
+
+# ------------------------------------------------------------------------------------------------ dependencies
+
+
+def test_a_missing_required_package_stops_the_run_before_any_work(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "psutil", None)  # import psutil now raises ImportError
+    out = tmp_path / "never"
+    with pytest.raises(SystemExit) as stopped:
+        main(["bench", "--model", "llama", "--no-progress", "--out", str(out)])
+    message = str(stopped.value)
+    assert "psutil: peak memory" in message and "pip install psutil" in message and "compilepack[bench]" in message
+    assert not out.exists()  # stopped before the output folder, the workers or any model
+
+
+def test_without_matplotlib_the_run_skips_the_plot_warns_and_exits_0(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    argv = ["bench", "--model", "llama", "--modes", "patched_packed_eager", "--tokens-per-step", "128", "--steps", "1",
+            "--isolation", "none", "--no-progress", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert printed.index("warning: matplotlib is not installed") < printed.index("patched_packed_eager")  # first
+    assert "pip install matplotlib" in printed and "no .png" in printed
+    (json_path,) = tmp_path.glob("cpu-*.json")
+    assert json_path.with_suffix(".md").exists() and not json_path.with_suffix(".png").exists()

@@ -58,13 +58,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--profile", action="store_true",
                         help="profile one extra (untimed) step per mode with torch.profiler; top ops go in the JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-plot", action="store_true", help="write no PNG plot (no matplotlib needed)")
 
 
 def run(args) -> int:
+    from . import dependencies
     from .modes import Workload
 
     if args.steps < 1:
         raise SystemExit("--steps must be at least 1")
+    can_plot = dependencies.check(plot=not args.no_plot)  # before any work: a missing package stops it here
     families = resolve_families(args.model)
     modes, mode_set, left_out = resolve_modes(args.modes, args.full)
     workload = Workload(tokens_per_step=args.tokens_per_step, steps=args.steps, warmup_steps=args.warmup_steps,
@@ -81,7 +84,7 @@ def run(args) -> int:
         results = _run_all(args, families, modes, workload, pathlib.Path(scratch), out / "logs" / stem)
     report = _report(args, results, workload, time.monotonic() - started, modes, mode_set, left_out)
     report["load_avg"] = {"start": load_start, "end": _load_average()}
-    _write(report, out, stem)
+    _write(report, out, stem, can_plot)
     return 0
 
 
@@ -268,14 +271,15 @@ def _workload_summary(workload) -> dict:
     }
 
 
-def _write(report: dict, out: pathlib.Path, stem: str) -> None:
+def _write(report: dict, out: pathlib.Path, stem: str, can_plot: bool = True) -> None:
     from .report import markdown, plot, print_console, write_json
 
     write_json(report, out / f"{stem}.json")
     (out / f"{stem}.md").write_text(markdown(report))
-    plot(report, out / f"{stem}.png")
+    if can_plot:
+        plot(report, out / f"{stem}.png")
     print_console(report)
-    print(f"wrote {out / stem}.json, .md, .png")
+    print(f"wrote {out / stem}.json, .md" + (", .png" if can_plot else " (no .png: matplotlib is not installed, or --no-plot)"))
 
 
 def _device_label(device: str) -> str:
