@@ -1,4 +1,5 @@
-"""``python -m compilepack``: ``explain <family>`` (stock next to patched) and ``bench`` (the main job)."""
+"""``python -m compilepack``: ``bench`` (the main job), ``check MODEL`` (is packing exact and compile-clean for a
+model?) and ``explain <family>`` (stock next to patched)."""
 
 from __future__ import annotations
 
@@ -28,12 +29,27 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(bench_parser)
     bench_parser.set_defaults(run=_bench_command)
 
+    check_parser = commands.add_parser(
+        "check", help="is packing exact and compile-clean for this model? (see docs/checking.md)",
+        description="Packed == each document alone, isolation, one graph / one compile, bf16, refusal of bad "
+                    "batches, on a model built from a family name, checkpoint directory or config.json.")
+    from .check import add_arguments as add_check_arguments
+
+    add_check_arguments(check_parser)
+    check_parser.set_defaults(run=_check_command)
+
     args = parser.parse_args(argv)
     return args.run(args)
 
 
 def _bench_command(args) -> int:
     from .bench.main import run
+
+    return run(args)
+
+
+def _check_command(args) -> int:
+    from .check import run
 
     return run(args)
 

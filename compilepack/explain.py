@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 import torch._dynamo
+import torch._dynamo.guards
 import torch._dynamo.utils
 
 
@@ -37,9 +38,11 @@ class CompileReport:
 
     batches: int
     compiles: int  # graphs dynamo compiled over the stream: 1 means one graph and no recompiles
+    recompile_reasons: list[str] = dataclasses.field(default_factory=list)  # the guard that failed, per recompile
 
     def __str__(self) -> str:
-        return f"{self.compiles} compile(s) over {self.batches} batches"
+        text = f"{self.compiles} compile(s) over {self.batches} batches"
+        return text + "".join(f"\n  recompile: {reason}" for reason in self.recompile_reasons)
 
 
 def explain(model: torch.nn.Module, batch: Mapping, *, backward: bool = False, reset: bool = False) -> ExplainReport:
@@ -95,7 +98,8 @@ def count_compiles(
     forward in this process (with the same guards) may be reused and not counted.
     """
     _maybe_reset(reset)
-    compiled = torch.compile(_step(model, backward), backend=backend, dynamic=dynamic, fullgraph=fullgraph)
+    step = _step(model, backward)
+    compiled = torch.compile(step, backend=backend, dynamic=dynamic, fullgraph=fullgraph)
     count = 0
     graphs_before = _compiled_graphs()
     with _autograd_traced(backward), _grads_preserved(model):
@@ -103,8 +107,10 @@ def count_compiles(
             compiled(batch)
             count += 1
     compiles = _compiled_graphs() - graphs_before
+    # dynamo records the failed guard of every recompile per code object; the step's code is fresh (see _step)
+    reasons = [_first_line(reason) for reason in torch._dynamo.guards.guard_failures.get(step.__code__, [])]
     _maybe_reset(reset)
-    return CompileReport(batches=count, compiles=compiles)
+    return CompileReport(batches=count, compiles=compiles, recompile_reasons=list(dict.fromkeys(reasons)))
 
 
 def _maybe_reset(reset: bool) -> None:

@@ -1,0 +1,281 @@
+"""``python -m compilepack check MODEL``: is packing exact and compile-clean for *this* model?
+
+MODEL is a compilepack family name (its benchmark model), a local checkpoint directory, its ``config.json``, or a
+hub id (read only when the hub is reachable). By default the model is built from its config with random weights
+and one decoder layer of each kind the config has (``--layers N``, ``--full``), so a large config checks in
+seconds on a CPU; ``--weights`` loads the checkpoint's weights (safetensors only unless ``--allow-pickle``). Code
+from a checkpoint runs only with ``--trust-remote-code``. The model is patched unless ``--stock`` (then the check
+is a leak detector for stock transformers, or for another library's patches applied to it).
+
+The checks are :mod:`compilepack.testing`'s: packed == each document alone (logits and gradients), bit-exact
+isolation, one graph / no break / one compile, bf16 autocast within 2x the model's own bf16 error, refusal of
+malformed batches. Prints a table and a verdict, writes ``--json``, and exits 1 when a check fails (2 when the
+model cannot be read or built).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from . import testing
+from .errors import UnsupportedModelError
+
+CHECKS = ("packed", "isolation", "compile", "bf16", "refusal")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="family name (llama, qwen3_5, ...), checkpoint directory, config.json or hub id")
+    depth = parser.add_mutually_exclusive_group()
+    depth.add_argument("--layers", type=int, help="keep the first N decoder layers (default: one of each kind)")
+    depth.add_argument("--full", action="store_true", help="keep every decoder layer")
+    parser.add_argument("--weights", action="store_true", help="load the checkpoint's weights (safetensors only)")
+    parser.add_argument("--allow-pickle", action="store_true",
+                        help="with --weights, also load pickled (.bin) weights: they can run code when loaded")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="run the checkpoint's own modeling code (auto_map); never done without this flag")
+    parser.add_argument("--stock", action="store_true", help="do not patch: check the model as it is (leak detector)")
+    parser.add_argument("--inputs", choices=("boundaries", "position_ids"), default="boundaries",
+                        help="packed batches carry the collator's boundary kwargs (default) or position_ids only "
+                             "(DataCollatorWithFlattening() without return_flash_attn_kwargs)")
+    parser.add_argument("--checks", default=",".join(CHECKS), help=f"comma-separated subset of {','.join(CHECKS)}")
+    parser.add_argument("--backend", default="eager", choices=("eager", "aot_eager", "inductor"),
+                        help="torch.compile backend of the compile stream (eager: dynamo only, fast)")
+    parser.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    try:
+        model, described = load_model(args)
+    except CheckSetupError as error:
+        print(f"compilepack check: {error}", file=sys.stderr)
+        return 2
+    print(f"compilepack check {args.model}: {described}; torch {torch.__version__}")
+    unsupported = None
+    if not args.stock:
+        import compilepack
+
+        try:
+            model = compilepack.patch(model)
+        except UnsupportedModelError as error:
+            unsupported = str(error)
+    if unsupported:
+        print(f"not supported: {unsupported}")
+        print("The stock model's own packing, position_ids only (what it infers boundaries from):")
+        args.inputs, wanted = "position_ids", ["packed", "isolation"]
+    else:
+        wanted = [name.strip() for name in args.checks.split(",") if name.strip()]
+    results = run_checks(model, wanted, position_ids_only=args.inputs == "position_ids", backend=args.backend)
+    passed = not unsupported and all(r.passed for r in results)
+    print(format_table(results))
+    print(verdict(results, unsupported, args))
+    if args.json:
+        _write_json(args, described, results, passed, unsupported, time.monotonic() - started)
+    return 0 if passed else 1
+
+
+class CheckSetupError(Exception):
+    """The model could not be read or built (exit code 2): the message says what to do."""
+
+
+# ------------------------------------------------------------------------------------------------------ the model
+
+
+def load_model(args) -> tuple[torch.nn.Module, str]:
+    """The model to check and a one-line description of what was built."""
+    config, source = _config(args.model, args.trust_remote_code)
+    full_layers = config.get_text_config().num_hidden_layers
+    builder = _builder(args.trust_remote_code)
+    if not args.full:
+        # with real weights, a prefix of the layers: weights are loaded by layer index
+        config = testing.reduced_config(config, args.layers, builder=builder, prefix=args.weights)
+    torch.manual_seed(args.seed)
+    try:
+        model = _from_pretrained(source, config, args) if args.weights else builder(config)
+    except (ValueError, OSError, ImportError) as error:
+        raise CheckSetupError(f"cannot build {args.model}: {type(error).__name__}: {testing._first_line(error)}") from error
+    model = model.float().eval()
+    text = config.get_text_config()
+    kinds = getattr(text, "layer_types", None) or getattr(text, "layers_block_type", None)
+    layers = f"{text.num_hidden_layers} of {full_layers} layers" + (f" ({', '.join(map(str, kinds))})" if kinds else "")
+    weights = "checkpoint weights" if args.weights else "random weights"
+    return model, f"{type(model).__name__}, {layers}, hidden {text.hidden_size}, vocab {text.vocab_size}, {weights}"
+
+
+def _config(name: str, trust_remote_code: bool):
+    """(config, checkpoint directory or hub id or None) for a family name, directory, config.json or hub id."""
+    import transformers
+
+    from .bench.configs import bench_config
+    from .patching import supported_model_types
+
+    if name in supported_model_types():
+        return bench_config(name), None
+    path = Path(name)
+    if path.exists():
+        directory = path.parent if path.is_file() else path
+        _refuse_remote_code(directory / "config.json" if path.is_dir() else path, trust_remote_code)
+        config = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        return config, str(directory)
+    try:
+        return transformers.AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code), name
+    except Exception as error:  # noqa: BLE001 - anything from the hub client: say what MODEL can be
+        raise CheckSetupError(
+            f"cannot read {name!r}: not a compilepack family ({', '.join(supported_model_types())}), not a local "
+            f"checkpoint directory or config.json, and not readable from the hub ({type(error).__name__}: "
+            f"{testing._first_line(error)[:200]}). Point it at a directory holding config.json."
+        ) from error
+
+
+def _refuse_remote_code(config_path: Path, trust_remote_code: bool) -> None:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if not config_path.exists():
+        raise CheckSetupError(f"{config_path} does not exist: point MODEL at a checkpoint directory or its config.json.")
+    declared = json.loads(config_path.read_text())
+    if declared.get("model_type") not in CONFIG_MAPPING and declared.get("auto_map") and not trust_remote_code:
+        raise CheckSetupError(
+            f"{config_path} declares its own code (auto_map: {sorted(declared['auto_map'])}) for model_type "
+            f"{declared.get('model_type')!r}, which transformers does not ship. Running it means running that "
+            "repository's Python: read it, then pass --trust-remote-code."
+        )
+
+
+def _builder(trust_remote_code: bool) -> Callable:
+    import transformers
+
+    def from_config(config):
+        for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForImageTextToText):
+            try:
+                return auto.from_config(config, trust_remote_code=trust_remote_code)
+            except ValueError:
+                continue
+        raise UnsupportedModelError(f"transformers has no causal-LM class for {type(config).__name__}.")
+
+    return from_config
+
+
+def _from_pretrained(source: str | None, config, args) -> torch.nn.Module:
+    import transformers
+
+    if source is None:
+        raise CheckSetupError("--weights needs a checkpoint directory (a family name has no weights).")
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        source, config=config, dtype=torch.float32, trust_remote_code=args.trust_remote_code,
+        use_safetensors=None if args.allow_pickle else True,  # True: refuse pickled .bin weights
+    )
+
+
+# ------------------------------------------------------------------------------------------------------ the checks
+
+
+def run_checks(model, wanted: list[str], *, position_ids_only: bool = False, backend: str = "eager",
+               seed: int = 0) -> list[testing.CheckResult]:
+    """Run the named checks (``CHECKS``) on ``model``, each timed; a check that raises is a failed result."""
+    unknown = sorted(set(wanted) - set(CHECKS))
+    if unknown:
+        raise CheckSetupError(f"unknown checks {unknown}; choose from {', '.join(CHECKS)}.")
+    config = model.config
+    vocab = config.get_text_config().vocab_size
+    batches = testing.packed_batches(vocab, chunk=testing.chunk_size_of(config), seed=seed)
+    packed = testing.position_ids_only if position_ids_only else (lambda batch: batch)
+    plan = {
+        "packed": lambda: testing.check_packed_matches_unpacked(model, batches, packed=packed),
+        "isolation": lambda: testing.check_documents_isolated(model, batches, packed=packed),
+        "compile": lambda: testing.check_compiles_once(
+            model, testing.varied_batches(vocab, seed=seed), backend=backend, packed=packed),
+        "bf16": lambda: testing.check_bf16_close(model, batches[0], packed=packed),
+        "refusal": lambda: testing.check_refuses_bad_batches(model),
+    }
+    results = []
+    with _progress(len(wanted)) as step:
+        for name in wanted:
+            step(name)
+            started = time.monotonic()
+            result = _attempt(name, plan[name])
+            result.values["seconds"] = round(time.monotonic() - started, 1)
+            results.append(result)
+    return results
+
+
+def _attempt(name: str, check: Callable[[], testing.CheckResult]) -> testing.CheckResult:
+    try:
+        return check()
+    except Exception as error:  # noqa: BLE001 - a check that cannot run is a failed check, with the reason
+        return testing.CheckResult(name, False, f"error: {type(error).__name__}", "runs",
+                                   [f"{type(error).__name__}: {testing._first_line(error)[:300]}"])
+
+
+class _progress:
+    """A progress bar on stderr (tqdm when installed), else one line per check."""
+
+    def __init__(self, total: int):
+        self.total, self.bar, self.done = total, None, 0
+
+    def __enter__(self):
+        try:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=self.total, file=sys.stderr, leave=False, disable=not sys.stderr.isatty())
+        except ImportError:
+            self.bar = None
+        return self.step
+
+    def step(self, name: str) -> None:
+        if self.bar is not None and not self.bar.disable:
+            self.bar.update(self.done and 1)
+            self.bar.set_description(name)
+        else:
+            print(f"[{self.done + 1}/{self.total}] {name} ...", file=sys.stderr, flush=True)
+        self.done += 1
+
+    def __exit__(self, *exc):
+        if self.bar is not None:
+            self.bar.close()
+
+
+# ------------------------------------------------------------------------------------------------------ the report
+
+
+def format_table(results: list[testing.CheckResult]) -> str:
+    rows = [("check", "status", "figure", "threshold", "time")]
+    rows += [(r.name, "pass" if r.passed else "FAIL", r.figure, r.threshold, f"{r.values.get('seconds', 0):.1f} s")
+             for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)) + "  " + row[4] for row in rows]
+    for result in results:
+        if not result.passed:
+            lines += [f"  {result.name}: {detail}" for detail in result.details]
+    return "\n".join(lines)
+
+
+def verdict(results: list[testing.CheckResult], unsupported: str | None, args) -> str:
+    failed = [r.name for r in results if not r.passed]
+    what = "the stock model" if args.stock or unsupported else "the patched model"
+    if unsupported:
+        leak = "leaks between documents" if failed else "kept these documents apart"
+        return f"VERDICT: not supported by compilepack; {what} {leak} with position_ids-only packing."
+    if failed:
+        return f"VERDICT: FAIL ({', '.join(failed)}): do not train packed on {what} as it is."
+    return f"VERDICT: PASS: packing is exact and compile-clean for {what} ({len(results)} checks)."
+
+
+def _write_json(args, described, results, passed, unsupported, seconds) -> None:
+    import transformers
+
+    report = {
+        "model": args.model, "built": described, "patched": not args.stock and not unsupported,
+        "inputs": args.inputs, "passed": passed, "unsupported": unsupported, "seconds": round(seconds, 1),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "checks": [{"name": r.name, "passed": r.passed, "figure": r.figure, "threshold": r.threshold,
+                    "details": r.details, "values": r.values} for r in results],
+    }
+    Path(args.json).write_text(json.dumps(report, indent=2, default=str) + "\n")
