@@ -1,27 +1,69 @@
-"""``patch`` / ``unpatch`` / ``patched``: per-instance, idempotent, reversible."""
+"""``patch`` / ``unpatch`` / ``patched``: per-instance, idempotent, reversible.
+
+The patch state is never stored beside the model: it is read from the forwards actually bound. A patched module
+carries a :class:`PatchedForward` as its instance ``forward``; :func:`is_patched`, :func:`patch_state` and
+:func:`unpatch` look for those in ``model.modules()``, so they see through wrappers that hold the model as a
+submodule (PEFT's ``PeftModel``) and keep telling the truth after ``merge_and_unload()``, pickling or copying.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import types
 
 import torch
 
 from .. import backends as _backends
-from ..errors import PatchConflictError
-from .family import family_of
+from ..errors import IncompatibleTransformersError, PatchConflictError
+from .family import family_named, family_of
 
-_STATE = "_compilepack_patch"
+
+class PatchedForward:
+    """The instance ``forward`` that :func:`patch` sets on a module: compilepack's forward bound to that module.
+
+    It behaves like the bound method it replaces (same call, same ``inspect.signature`` as the stock forward) and
+    also records how it was made (family, backends). That is what lets it survive pickling: a bound method pickles
+    by name, as ``getattr(module, "forward")``, and so comes back as the class's stock forward; this one pickles
+    as "compilepack's forward of this family for this module" and is rebuilt from the registry when loaded
+    (pickle, ``torch.save``/``torch.load``, ``copy.deepcopy``, multiprocessing, Ray).
+    """
+
+    __slots__ = ("function", "module", "family", "backends")
+
+    def __init__(self, function, module: torch.nn.Module, family: str, backends: _backends.Backends):
+        self.function, self.module, self.family, self.backends = function, module, family, backends
+
+    def __call__(self, *args, **kwargs):
+        return self.function(self.module, *args, **kwargs)
+
+    def __reduce__(self):
+        return _rebound_forward, (self.module, self.family, self.backends)
+
+    @property
+    def __func__(self):  # as on a bound method, for tools that read it
+        return self.function
+
+    @property
+    def __self__(self) -> torch.nn.Module:
+        return self.module
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(types.MethodType(self.function, self.module))
+
+    def __repr__(self) -> str:
+        return f"<compilepack {self.family} forward of {type(self.module).__name__}>"
 
 
 @dataclasses.dataclass(frozen=True)
 class PatchState:
-    """What ``patch`` replaced on one model: enough for ``unpatch`` to restore it exactly."""
+    """What :func:`patch` replaced on one model, as read from its modules' forwards."""
 
     family: str
     backends: _backends.Backends
-    modules: tuple[torch.nn.Module, ...]  # the modules whose instance ``forward`` compilepack set
+    modules: tuple[torch.nn.Module, ...]  # the modules that run compilepack's forward (possibly under a wrapper)
 
 
 def patch(model: torch.nn.Module, *, backend: str | dict | _backends.Backends = "auto") -> torch.nn.Module:
@@ -50,33 +92,33 @@ def patch(model: torch.nn.Module, *, backend: str | dict | _backends.Backends = 
             "the model is already compiled: call compilepack.patch(model) first, then torch.compile(model)."
         )
     chosen = _backends.resolve(backend)
-    state = model.__dict__.get(_STATE)
-    if state is not None:
-        if state.backends == chosen:
-            return model
-        unpatch(model)
     family = family_of(model)
     forwards = family.forwards(chosen)
     targets = [(m, forward) for m in model.modules() if (forward := _forward_for(type(m), forwards)) is not None]
+    state = patch_state(model)
+    if state is not None:
+        if (state.family, state.backends, _ids(state.modules)) == (family.name, chosen, _ids(m for m, _ in targets)):
+            return model
+        unpatch(model)  # another backend, or a partial patch: start from stock
     _refuse_foreign_forwards([m for m, _ in targets])
     for module, forward in targets:
-        module.forward = types.MethodType(forward, module)
-    model.__dict__[_STATE] = PatchState(family.name, chosen, tuple(m for m, _ in targets))
+        module.forward = PatchedForward(forward, module, family.name, chosen)
     return model
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
-    """Undo :func:`patch`: every rebound ``forward`` is removed, so the class's stock forward applies again.
+    """Undo :func:`patch`: every compilepack forward found in ``model.modules()`` is removed, so the class's stock
+    forward applies again (also through a PEFT wrapper, and after ``merge_and_unload()``).
 
     Raises:
         PatchConflictError: another tool wrapped a patched module's forward after :func:`patch` (accelerate hooks,
             a decorator): removing compilepack's forward from under that wrapper is impossible, and leaving the
             wrapper would keep calling compilepack. Nothing is changed; remove the other tool's wrapper first.
     """
-    state = model.__dict__.get(_STATE)
+    state = patch_state(model)
     if state is None:
         return model
-    wrapped = [m for m in state.modules if _wraps_ours(m.__dict__.get("forward"))]
+    wrapped = [m for m in state.modules if not isinstance(m.__dict__["forward"], PatchedForward)]
     if wrapped:
         raise PatchConflictError(
             f"cannot unpatch: the forward of {type(wrapped[0]).__name__} (and {len(wrapped) - 1} other module(s)) was "
@@ -84,19 +126,23 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
             "keep calling compilepack's forward. Remove that wrapper first (accelerate: "
             "accelerate.hooks.remove_hook_from_module(module, recurse=True)), then unpatch."
         )
-    del model.__dict__[_STATE]
     for module in state.modules:
-        if _is_ours(module.__dict__.get("forward")):
-            del module.__dict__["forward"]
+        del module.__dict__["forward"]
     return model
 
 
 def is_patched(model: torch.nn.Module) -> bool:
-    return _STATE in model.__dict__
+    """Whether any module of ``model`` (a PEFT wrapper's base model included) runs compilepack's forward."""
+    return patch_state(model) is not None
 
 
 def patch_state(model: torch.nn.Module) -> PatchState | None:
-    return model.__dict__.get(_STATE)
+    """The family, backends and modules of ``model``'s patch, read from its forwards; None when none is patched."""
+    found = [(m, forward) for m in model.modules() if (forward := _ours_within(m.__dict__.get("forward")))]
+    if not found:
+        return None
+    first = found[0][1]
+    return PatchState(first.family, first.backends, tuple(m for m, _ in found))
 
 
 @contextlib.contextmanager
@@ -111,47 +157,53 @@ def patched(model: torch.nn.Module, *, backend: str | dict | _backends.Backends 
             unpatch(model)
 
 
+def _rebound_forward(module: torch.nn.Module, family: str, backends: _backends.Backends) -> PatchedForward:
+    """Unpickling a :class:`PatchedForward`: the functions :func:`patch` made cannot be pickled by reference, so
+    they are looked up again (the registry caches them). ``module`` may still be empty here (pickle fills its
+    ``__dict__`` after rebuilding what it holds); only its class is read."""
+    forward = _forward_for(type(module), family_named(family).forwards(backends))
+    if forward is None:
+        raise IncompatibleTransformersError(
+            f"cannot restore compilepack's forward of {type(module).__name__}: the {family} family no longer patches "
+            "that class in this installation. Unpatch before pickling, or load with the same compilepack."
+        )
+    return PatchedForward(forward, module, family, backends)
+
+
 def _forward_for(cls: type, forwards: dict):
     """The patched forward for a module class, looked up along its MRO: wrappers such as FSDP2's
     ``fully_shard`` swap a module's class for a subclass (``FSDPLlamaModel``) of the stock one."""
     return next((forwards[base] for base in cls.__mro__ if base in forwards), None)
 
 
-def _is_ours(forward) -> bool:
-    """Whether an instance forward is the bound method compilepack set (its function, or one it decorates)."""
-    function = getattr(forward, "__func__", None)
-    while function is not None:
-        if getattr(function, "__compilepack__", False):
-            return True
-        function = getattr(function, "__wrapped__", None)
-    return False
+def _ids(modules) -> set[int]:
+    return {id(m) for m in modules}
 
 
-def _wraps_ours(forward) -> bool:
-    """Whether an instance forward is another tool's wrapper around compilepack's: accelerate keeps the wrapped
-    forward in ``_old_forward`` on the module, ``functools.wraps`` in ``__wrapped__``, partials in ``func``/``args``."""
-    if forward is None or _is_ours(forward):
-        return False
+def _ours_within(forward) -> PatchedForward | None:
+    """compilepack's forward, when ``forward`` is it or another tool's wrapper around it: accelerate keeps the
+    wrapped forward in ``_old_forward`` on the module, ``functools.wraps`` in ``__wrapped__``, partials in
+    ``func``/``args``."""
     seen, pending = set(), [forward]
     while pending:
         candidate = pending.pop()
         if candidate is None or id(candidate) in seen:
             continue
         seen.add(id(candidate))
-        if _is_ours(candidate):
-            return True
+        if isinstance(candidate, PatchedForward):
+            return candidate
         pending += [getattr(candidate, "__wrapped__", None), getattr(candidate, "func", None)]
         pending += [a for a in getattr(candidate, "args", ()) if callable(a) and not isinstance(a, torch.nn.Module)]
         owner = getattr(candidate, "__self__", None)
         if isinstance(owner, torch.nn.Module):
             pending.append(owner.__dict__.get("_old_forward"))
-    return False
+    return None
 
 
 def _refuse_foreign_forwards(modules) -> None:
     for module in modules:
         forward = module.__dict__.get("forward")
-        if forward is not None and not _is_ours(forward):
+        if forward is not None:
             raise PatchConflictError(
                 f"{type(module).__name__} already has an instance-level forward ({forward!r}), set by another tool "
                 "(accelerate hooks, a kernel patcher, ...). compilepack will not stack on it: patch the model "
