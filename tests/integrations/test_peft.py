@@ -17,7 +17,14 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 import compilepack  # noqa: E402
 from compilepack.patching import family_named  # noqa: E402
 from tests.families import build_tiny
-from tests.models import hf_batch, random_docs, relative_grad_error, summed_token_loss  # noqa: E402
+from tests.models import (  # noqa: E402
+    hf_batch,
+    logits_alone,
+    max_diff_packed_vs_alone,
+    random_docs,
+    relative_grad_error,
+    summed_token_loss,
+)
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 LORA_TARGETS = {
@@ -132,3 +139,50 @@ def test_compiled_lora_with_checkpointing_llama():
 @pytest.mark.slow
 def test_compiled_lora_with_checkpointing_qwen3_5():
     _compiled_lora_grads_equal_per_document("qwen3_5")
+
+
+# ------------------------------------------------------------------------------------------------ patch state
+
+
+def _patch_then_peft(model):
+    return get_peft_model(compilepack.patch(model), LoraConfig(r=4, target_modules=ATTENTION))
+
+
+def _peft_then_patch(model):
+    return compilepack.patch(get_peft_model(model, LoraConfig(r=4, target_modules=ATTENTION)))
+
+
+def _peft_then_patch_then_merge(model):
+    return _peft_then_patch(model).merge_and_unload()
+
+
+ORDERS = {
+    "patch-peft": _patch_then_peft,
+    "peft-patch": _peft_then_patch,
+    "peft-patch-merge_and_unload": _peft_then_patch_then_merge,
+}
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_patch_state_is_seen_through_peft_in_every_order(order):
+    """Whichever order PEFT and compilepack are applied in, ``is_patched`` tells the truth about the wrapper and
+    the model inside it, the packed batch runs compilepack's forwards, and ``unpatch`` on the outer object leaves
+    no compilepack forward anywhere (so the same batch then leaks: stock Llama with a cache mixes documents).
+    LoRA's B starts at zero, so the adapted model computes what the base model does."""
+    torch.manual_seed(0)
+    stock = build_tiny(family_named("llama")).eval()
+    docs = random_docs(stock.config.vocab_size, [9, 4, 13])
+    batch, alone = hf_batch(docs), logits_alone(stock, docs)
+    model = ORDERS[order](copy.deepcopy(stock)).eval()
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+
+    def packed_error():
+        with torch.no_grad():
+            return max_diff_packed_vs_alone(model(**batch, use_cache=True).logits, alone, batch["cu_seq_lens_q"])
+
+    assert compilepack.is_patched(model) and compilepack.is_patched(inner)
+    assert packed_error() <= TOLERANCE["llama"]
+    compilepack.unpatch(model)
+    assert not compilepack.is_patched(model) and not compilepack.is_patched(inner)
+    assert [name for name, m in model.named_modules() if "forward" in m.__dict__] == []
+    assert packed_error() >= 100 * TOLERANCE["llama"]
