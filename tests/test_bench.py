@@ -327,3 +327,76 @@ def test_without_matplotlib_the_run_skips_the_plot_warns_and_exits_0(tmp_path, m
     assert "pip install matplotlib" in printed and "no .png" in printed
     (json_path,) = tmp_path.glob("cpu-*.json")
     assert json_path.with_suffix(".md").exists() and not json_path.with_suffix(".png").exists()
+
+
+# ------------------------------------------------------------------------------------------------ real widths
+
+
+def test_real_width_configs_are_their_checkpoints_widths_at_one_layer_of_each_kind():
+    import torch
+    import transformers
+
+    from compilepack.bench.configs import REAL_WIDTH_CONFIGS, bench_config
+    from compilepack.bench.main import resolve_families
+
+    expected = {  # family: (hidden, vocabulary, layer kinds, parameters in millions)
+        "llama": (2048, 128256, 1, 323), "qwen3_next": (2048, 151936, 2, 746),
+        "qwen3_5": (1024, 248320, 2, 294), "bamba": (4096, 128256, 2, 1547),
+    }
+    assert sorted(REAL_WIDTH_CONFIGS) == sorted(expected) == sorted(resolve_families("all", "real"))
+    for family, (hidden, vocab, layers, params_m) in expected.items():
+        config = bench_config(family, "real")
+        assert (config.hidden_size, config.vocab_size, config.num_hidden_layers) == (hidden, vocab, layers)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        assert round(sum(p.numel() for p in model.parameters()) / 1e6) == params_m, family
+    with pytest.raises(SystemExit, match="--widths real: no config for mamba2"):
+        resolve_families("llama,mamba2", "real")
+
+
+def test_time_split_covers_the_step_and_flops_count_documents_apart(tmp_path):
+    from compilepack.bench import split
+
+    spec = ModeSpec("llama", "patched_packed_eager", TINY, config=tiny_config(family_named("llama")),
+                    time_split=True)
+    result = measure_mode(spec)
+    parts = result["time_split"]
+    assert all(parts[k] > 0 for k in ("mixers", "mlp", "lm_head", "optimizer")), parts
+    assert sum(parts[k] for k in split.CATEGORIES) == pytest.approx(parts["total"], abs=2e-3)
+    assert result["model_gflops_per_s"] > 0 and all(step["model_flops"] > 0 for step in result["timed"])
+    # attention FLOPs are per document: two documents of 64 cost half of one of 128 (a padded or mixed count would not)
+    model = measure_module_model("llama")
+    assert split.attention_flops(model, [64, 64]) * 2 == split.attention_flops(model, [128])
+    assert split.step_flops(model, [128]) - split.attention_flops(model, [128]) == 128 * split.linear_flops_per_token(model)
+
+
+def measure_module_model(family):
+    from compilepack.bench.worker import build_model
+
+    return build_model(family_named(family), tiny_config(family_named(family)), seed=0)
+
+
+def test_one_at_a_time_finishes_each_mode_before_the_next_starts():
+    calls = []
+    workers = {m: FakeWorker(m, calls, fail_round=1 if m == "a" else None) for m in "ab"}
+    results = run_family(workers, rounds=2, warmup_timeout_s=1, step_timeout_s=1, one_at_a_time=True)
+    assert [r["mode"] for r in results] == ["a", "b"]
+    assert calls == [("start", "a"), ("ready", "a"), ("round", 0, 0, "a"), ("round", 1, 0, "a"), ("finish", "a"),
+                     ("start", "b"), ("ready", "b"), ("round", 0, 0, "b"), ("round", 1, 0, "b"), ("finish", "b")]
+
+
+def test_long_rows_batches_the_same_documents_each_mode_its_way():
+    from compilepack.bench import long_rows
+
+    docs = long_rows.equal_documents(512, 128)
+    assert [len(doc) for doc in docs] == [128] * 4
+    workload = modes.Workload(tokens_per_step=512, steps=2)
+    _, grouped = modes.mode_named("stock_grouped_eager").batches_of(docs, workload)
+    _, packed = modes.mode_named("patched_packed_eager").batches_of(docs, workload)
+    assert len(grouped) == len(packed) == 2  # one round per timed step, the same documents in each
+    assert grouped[0][0].tensors["input_ids"].shape == (4, 128)  # equal documents: no padding at all
+    assert packed[1][0].tensors["input_ids"].shape == (1, 512) and packed[1][0].docs == docs
+    mix = long_rows.mixed_documents(2048)
+    assert sum(map(len, mix)) <= 2048 and len(set(map(len, mix))) > 5
+    with pytest.raises(SystemExit, match="not a multiple of --doc-len 100"):
+        long_rows.equal_documents(512, 100)

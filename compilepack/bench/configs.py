@@ -142,10 +142,65 @@ BENCH_CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
 }
 
 
-def bench_config(family_name: str) -> transformers.PretrainedConfig:
-    if family_name not in BENCH_CONFIGS:
-        raise KeyError(f"no bench config for family {family_name!r}; add one to compilepack/bench/configs.py.")
-    return BENCH_CONFIGS[family_name]()
+# ``--widths real``: each mission family at the widths of its smallest released checkpoint (hidden size, heads and
+# head dims, key/value heads, GDN / Mamba2 / conv sizes, MLP, vocabulary), at reduced depth: one decoder layer of
+# each kind the family mixes. Values are those of the checkpoint's public config.json (nothing is downloaded); where
+# a value is not the checkpoint's, the comment says what replaced it and why.
+REAL_WIDTH_CONFIGS: dict[str, Callable[[], transformers.PretrainedConfig]] = {
+    # meta-llama/Llama-3.2-1B (config.json): the smallest Llama 3 release; tied embeddings, llama3 RoPE scaling
+    "llama": lambda: transformers.LlamaConfig(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=1, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5, tie_word_embeddings=True,
+        max_position_embeddings=131072,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    ),
+    # Qwen/Qwen3-Next-80B-A3B-Instruct (config.json; also transformers' Qwen3NextConfig docstring checkpoint), the
+    # only Qwen3-Next release. Its 512 experts (10 routed + 1 shared of 512 per token) are replaced by a dense MLP
+    # of the config's own intermediate_size 5120 (mlp_only_layers): about the active expert width per token
+    # (5632), without the 1.6 B expert parameters per layer that cannot be held on the bench machine; the MoE is
+    # stock code in both models.
+    "qwen3_next": lambda: transformers.Qwen3NextConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=5120, num_hidden_layers=2,
+        num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512, mlp_only_layers=[0, 1], layer_types=["linear_attention", "full_attention"],
+        rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=262144,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    ),
+    # Qwen/Qwen3.5-0.8B (text_config of config.json): the smallest Qwen3.5 release; tied embeddings, gated attention
+    "qwen3_5": lambda: transformers.Qwen3_5TextConfig(
+        vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"], rms_norm_eps=1e-6,
+        tie_word_embeddings=True, max_position_embeddings=262144,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    ),
+    # ibm-ai-platform/Bamba-9B (config.json), the smallest Bamba release; mamba_d_head 64, d_state 128, n_groups 1
+    # as transformers' models/bamba/convert_mamba_ssm_checkpoint.py sets them for it; vocabulary of Llama 3's
+    # tokenizer (128256); untied embeddings
+    "bamba": lambda: transformers.BambaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
+        num_attention_heads=32, num_key_value_heads=8, attn_layer_indices=[1],
+        mamba_n_heads=128, mamba_d_head=64, mamba_n_groups=1, mamba_d_state=128, mamba_d_conv=4,
+        mamba_expand=2, mamba_chunk_size=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        max_position_embeddings=262144,
+    ),
+}
+
+WIDTHS = {"bench": BENCH_CONFIGS, "real": REAL_WIDTH_CONFIGS}
+
+
+def bench_config(family_name: str, widths: str = "bench") -> transformers.PretrainedConfig:
+    """The family's bench config: ``widths="bench"`` the small default, ``"real"`` its smallest release's widths."""
+    configs = WIDTHS[widths]
+    if family_name not in configs:
+        have = ", ".join(sorted(configs))
+        raise KeyError(f"no {widths}-width bench config for family {family_name!r} (families with one: {have}); "
+                       "add one to compilepack/bench/configs.py.")
+    return configs[family_name]()
 
 
 def build_bench_model(family_name: str) -> torch.nn.Module:

@@ -29,23 +29,31 @@ def add_arguments(parser) -> None:
     parser.add_argument("--modes", default=None,
                         help=f"comma-separated modes, or 'all' (default: {','.join(DEFAULT_MODES)})")
     parser.add_argument("--full", action="store_true", help="every mode (the full matrix; same as --modes all)")
-    parser.add_argument("--steps", type=int, default=3,
-                        help="timed rounds per mode, taken round-robin across a family's modes (default: 3)")
+    parser.add_argument("--widths", choices=("bench", "real"), default="bench",
+                        help="bench: the small default models (hidden 256, vocabulary 256); real: each family at "
+                             "the widths of its smallest released checkpoint, one layer of each kind, vocabulary "
+                             "matrices frozen, with the time split and MFU (see docs/benchmarks.md; default: bench)")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="timed rounds per mode, taken round-robin across a family's modes "
+                             f"(default: 3; {REAL_DEFAULTS['steps']} with --widths real)")
     parser.add_argument("--warmup-steps", type=int, default=1,
                         help="warm-up steps per mode, the compile for compiled modes (default: 1)")
-    parser.add_argument("--tokens-per-step", type=int, default=8192,
-                        help="real (non-padding) tokens per step, at most (default: 8192)")
+    parser.add_argument("--tokens-per-step", type=int, default=None,
+                        help="real (non-padding) tokens per step, at most "
+                             f"(default: 8192; {REAL_DEFAULTS['tokens_per_step']} with --widths real)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default: cpu)")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend (default: inductor)")
-    parser.add_argument("--mode-timeout", type=float, default=120.0,
+    parser.add_argument("--mode-timeout", type=float, default=None,
                         help="seconds a mode's worker may take to get ready (build, check, compile, warm-up) "
-                             "before it is stopped and reported as timed out (default: 120)")
-    parser.add_argument("--step-timeout", type=float, default=300.0,
+                             "before it is stopped and reported as timed out (default: 120; 900 with --widths real)")
+    parser.add_argument("--step-timeout", type=float, default=None,
                         help="seconds a mode may take for one timed round, a stop for a step that hangs, not a "
-                             "budget: on 2 idle cores the slowest round takes ~17 s (default: 300)")
-    parser.add_argument("--warmup", choices=("concurrent", "serial"), default="concurrent",
+                             "budget: on 2 idle cores the slowest round takes ~17 s (default: 300; 1800 with --widths real)")
+    parser.add_argument("--warmup", choices=("concurrent", "serial", "one-at-a-time"), default=None,
                         help="concurrent: a family's workers warm up (compile) together, faster (default); "
-                             "serial: one after another, compile times without contention")
+                             "serial: one after another, compile times without contention; one-at-a-time: each "
+                             "mode runs all its rounds and exits before the next starts, so one model is held at a "
+                             "time (the default with --widths real), rounds no longer side by side")
     parser.add_argument("--inductor-cache", choices=("fresh", "shared"), default="fresh",
                         help="fresh: every mode compiles cold, from an empty inductor cache (default); "
                              "shared: use torch's usual on-disk cache (faster reruns, warm compile times)")
@@ -57,6 +65,9 @@ def add_arguments(parser) -> None:
                              "none: all in this process, no time limits (debugging)")
     parser.add_argument("--profile", action="store_true",
                         help="profile one extra (untimed) step per mode with torch.profiler; top ops go in the JSON")
+    parser.add_argument("--time-split", action="store_true",
+                        help="one extra (untimed) step per eager mode timed by part: mixers, MLP, LM head, loss, "
+                             "optimizer, other (on by default with --widths real)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--no-plot", action="store_true", help="write no PNG plot (no matplotlib needed)")
 
@@ -65,40 +76,73 @@ def run(args) -> int:
     from . import dependencies
     from .modes import Workload
 
+    apply_width_defaults(args)
     if args.steps < 1:
         raise SystemExit("--steps must be at least 1")
     can_plot = dependencies.check(plot=not args.no_plot)  # before any work: a missing package stops it here
-    families = resolve_families(args.model)
-    modes, mode_set, left_out = resolve_modes(args.modes, args.full)
+    families = resolve_families(args.model, args.widths)
+    modes, mode_set, left_out = resolve_modes(args.modes, args.full, args.widths)
     workload = Workload(tokens_per_step=args.tokens_per_step, steps=args.steps, warmup_steps=args.warmup_steps,
                         seed=args.seed)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{_device_label(args.device)}-{datetime.date.today().isoformat()}"
+    widths = "" if args.widths == "bench" else f"{args.widths}-"
+    stem = f"{_device_label(args.device)}-{widths}{datetime.date.today().isoformat()}"
     print(f"compilepack bench: {', '.join(families)}; {mode_set} modes: {', '.join(modes)}; "
           f"{args.steps} timed rounds per mode", flush=True)
     if left_out:
         print(f"left out (--full runs them): {', '.join(left_out)}", flush=True)
     started, load_start = time.monotonic(), _load_average()
+    matmul = [_matmul_throughput(args)]  # the physical limit the MFU is counted against, measured in this run
     with tempfile.TemporaryDirectory(prefix="compilepack-bench-") as scratch:
         results = _run_all(args, families, modes, workload, pathlib.Path(scratch), out / "logs" / stem)
+    matmul.append(_matmul_throughput(args))
     report = _report(args, results, workload, time.monotonic() - started, modes, mode_set, left_out)
     report["load_avg"] = {"start": load_start, "end": _load_average()}
+    _add_utilization(report, matmul)
     _write(report, out, stem, can_plot)
     return 0
 
 
-def resolve_families(text: str) -> list[str]:
-    """'all' -> every registered family; else the named ones, each checked against the registry."""
+# What --widths real changes when the option is not given: a real-width step takes 10-60 s on 2 CPU cores, and a
+# worker holds 1-12 GB, so fewer, shorter steps, the two modes the issue compares, and one worker at a time.
+REAL_DEFAULTS = {"steps": 2, "tokens_per_step": 1024, "warmup": "one-at-a-time", "mode_timeout": 900.0,
+                 "step_timeout": 1800.0,
+                 "modes": ("stock_grouped_eager", "patched_packed_eager")}
+BENCH_DEFAULTS = {"steps": 3, "tokens_per_step": 8192, "warmup": "concurrent", "mode_timeout": 120.0,
+                  "step_timeout": 300.0}
+REAL_LEFT_OUT = ("at real widths a CPU step is 85-95% dense matmuls (the LM head and the projections), which "
+                 "compiling does not change, and each compiled mode costs a cold compile; give --modes to run it")
+
+
+def apply_width_defaults(args) -> None:
+    """Fill the options left unset with the defaults of the chosen widths."""
+    defaults = REAL_DEFAULTS if args.widths == "real" else BENCH_DEFAULTS
+    for name in ("steps", "tokens_per_step", "warmup", "mode_timeout", "step_timeout"):
+        if getattr(args, name) is None:
+            setattr(args, name, defaults[name])
+    if args.widths == "real":
+        args.time_split = True
+
+
+def resolve_families(text: str, widths: str = "bench") -> list[str]:
+    """'all' -> every registered family (with a config at these widths); else the named ones, each checked
+    against the registry and, at real widths, against the real-width configs."""
     from compilepack.patching import families, family_named
 
+    from .configs import WIDTHS
+
     if text.strip() == "all":
-        return [family.name for family in families()]
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    return [family_named(name).name for name in names]
+        return [family.name for family in families() if widths == "bench" or family.name in WIDTHS[widths]]
+    names = [family_named(name.strip()).name for name in text.split(",") if name.strip()]
+    missing = [name for name in names if widths != "bench" and name not in WIDTHS[widths]]
+    if missing:
+        raise SystemExit(f"--widths {widths}: no config for {', '.join(missing)}; families with one: "
+                         f"{', '.join(sorted(WIDTHS[widths]))} (compilepack/bench/configs.py)")
+    return names
 
 
-def resolve_modes(text: str | None, full: bool = False) -> tuple[list[str], str, dict[str, str]]:
+def resolve_modes(text: str | None, full: bool = False, widths: str = "bench") -> tuple[list[str], str, dict[str, str]]:
     """(modes in the documented order, "default"/"full"/"custom", left-out mode -> why)."""
     from .modes import DEFAULT_MODES, LEFT_OUT_BY_DEFAULT, MODE_NAMES, mode_named
 
@@ -106,6 +150,9 @@ def resolve_modes(text: str | None, full: bool = False) -> tuple[list[str], str,
         raise SystemExit("--full runs every mode; give either --full or --modes")
     if full or (text is not None and text.strip() == "all"):
         return list(MODE_NAMES), "full", {}
+    if text is None and widths == "real":
+        chosen = REAL_DEFAULTS["modes"]
+        return list(chosen), "default", {name: REAL_LEFT_OUT for name in MODE_NAMES if name not in chosen}
     if text is None:
         return list(DEFAULT_MODES), "default", dict(LEFT_OUT_BY_DEFAULT)
     chosen = {mode_named(name.strip()).name for name in text.split(",") if name.strip()}
@@ -136,6 +183,7 @@ def _run_all(args, families, modes, workload, scratch: pathlib.Path, log_dir: pa
             family_results = run_family(
                 workers, workload.steps, args.mode_timeout, args.step_timeout, concurrent=args.warmup == "concurrent",
                 on_done=lambda mode, what: bar.update(1) if what != "ended" else None,
+                one_at_a_time=args.warmup == "one-at-a-time",
             )
             load_after = _load_average()
             for result in family_results:
@@ -155,6 +203,7 @@ def _spec(args, family, mode, workload, scratch: pathlib.Path, log_dir: pathlib.
         family=family, mode=mode, workload=workload, device=args.device, compile_backend=args.compile_backend,
         threads=args.threads, log_path=str(log_dir / f"{family}-{mode}.log"),
         inductor_cache_dir=_cache_dir(args.inductor_cache, scratch, family, mode), profile=args.profile,
+        widths=args.widths, time_split=args.time_split,
     )
 
 
@@ -171,6 +220,26 @@ def _worker_factory(isolation: str, families: list[str]):
 
     context = ProcessContext(preload=[family_named(name).modeling for name in families])
     return context.worker
+
+
+def _matmul_throughput(args) -> dict:
+    from .split import matmul_gflops
+
+    return matmul_gflops(args.threads) if args.device == "cpu" else {}
+
+
+def _add_utilization(report: dict, matmul: list[dict]) -> None:
+    """The measured fp32 matmul throughput (at the run's start and end) and every mode's model FLOPs utilization
+    against the better of the two: useful model FLOPs per second (split.step_flops) over that throughput."""
+    measured = [m for m in matmul if m]
+    report["matmul"] = measured
+    if not measured:
+        return
+    peak = max(m["gflops_best"] for m in measured)
+    report["matmul_gflops"] = peak
+    for result in report["results"]:
+        rate = result.get("model_gflops_per_s")
+        result["mfu"] = round(rate / peak, 3) if rate else None
 
 
 def _load_average() -> float | None:
@@ -237,7 +306,9 @@ def _report(args, results: list[dict], workload, wall_s: float, modes, mode_set,
             "warmup": args.warmup,
             "seed": workload.seed,
             "compile_backend": args.compile_backend,
-            "config": "bench",
+            "config": "bench" if args.widths == "bench" else f"{args.widths}-width",
+            "widths": args.widths,
+            "time_split": args.time_split,
             "mode_timeout_s": args.mode_timeout if args.isolation == "process" else None,
             "step_timeout_s": args.step_timeout if args.isolation == "process" else None,
             "inductor_cache": "fresh per mode (cold compiles)" if args.inductor_cache == "fresh" else "shared",

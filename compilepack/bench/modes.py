@@ -101,6 +101,15 @@ class Mode:
         return layout(warmup, workload), [layout(steps, workload) for steps in rounds]
 
 
+    def batches_of(self, step: list[list[int]], workload: Workload) -> tuple[list[Batch], list[list[Batch]]]:
+        """(warm-up batches, timed batches of each round) when every round trains on the same given documents
+        (the long-row sweep): the warm-up as in :meth:`batches`, then ``workload.steps`` rounds of ``step``,
+        batched the mode's way (the grouped layout pads the step's documents to their longest, as one batch)."""
+        warmup = [step if self.compile is not EAGER else _first_tokens(step, SHORT_WARMUP_TOKENS)]
+        layout = _LAYOUTS[self.layout]
+        return layout(warmup, workload), [layout([step], workload) for _ in range(workload.steps)]
+
+
 def _first_tokens(step: list[list[int]], budget: int) -> list[list[int]]:
     return data.steps_by_token_budget(step, budget)[0]
 

@@ -95,8 +95,42 @@ def markdown(report: dict) -> str:
               "Status: met if every round's ratio reaches the target, missed if none does, not decided otherwise.",
               "", "| family | bar | median [min-max] | target | status | detail |", "|---|---|--:|--:|---|---|"]
     lines += [_bar_row(b) for b in report["bars"]]
+    lines += utilization_section(report)
     lines += _profile_sections(report["results"])
     return "\n".join(lines) + "\n"
+
+
+SPLIT_PARTS = ("mixers", "mlp", "lm_head", "loss", "optimizer", "other")
+
+
+def utilization_section(report: dict) -> list[str]:
+    """Per mode: tokens/s, peak memory, model FLOPs per second and MFU against the matmul throughput measured in
+    the run, and the time split of one extra eager step (share of the step, seconds)."""
+    results = [r for r in report["results"] if r.get("mfu") is not None or r.get("time_split")]
+    if not results:
+        return []
+    matmul = report.get("matmul") or []
+    measured = ", ".join(f"{m['gflops_best']:.0f} (median {m['gflops_median']:.0f})" for m in matmul)
+    lines = ["", "## Time split, memory and utilization", "",
+             (f"fp32 matmul throughput measured in this run ({matmul[0]['shape']}, {matmul[0]['threads']} threads, "
+              f"best of 5 at the start and at the end): {measured} GFLOP/s; MFU is the modes' useful model FLOPs "
+              "per second (linear layers: 6 per weight and token, 4 for a frozen weight; causal softmax attention "
+              "per document; the linear mixers' state math not counted; real tokens only) over the better of "
+              "the two." if matmul else "No matmul throughput measured (not a CPU run): no MFU."),
+             "",
+             ("Time split: one extra eager step (the last round's last batch), each part's forward and backward "
+              "timed with hooks; share of that step [seconds]."),
+             "",
+             "| family | mode | tokens/s | peak MB | model GFLOP/s | MFU | " + " | ".join(SPLIT_PARTS) + " | step s |",
+             "|---|---|--:|--:|--:|--:|" + "--:|" * len(SPLIT_PARTS) + "--:|"]
+    for r in results:
+        split = r.get("time_split") or {}
+        total = split.get("total")
+        parts = [f"{split[k] / total:.0%} [{split[k]:.2f}]" if total else "-" for k in SPLIT_PARTS]
+        lines.append(f"| {r['family']} | {r['mode']} | {tokens_cell(r)} | {cell(r.get('peak_mem_mb'), '{:.0f}')} "
+                     f"| {cell(r.get('model_gflops_per_s'), '{:.1f}')} | {cell(r.get('mfu'), '{:.0%}')} | "
+                     + " | ".join(parts) + f" | {cell(total, '{:.2f}')} |")
+    return lines
 
 
 def _profile_sections(results: list[dict]) -> list[str]:

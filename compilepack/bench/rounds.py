@@ -38,10 +38,14 @@ def round_order(modes: list[str], index: int) -> list[str]:
 
 
 def run_family(workers: dict[str, Worker], rounds: int, warmup_timeout_s: float, step_timeout_s: float,
-               concurrent: bool = True, on_done=lambda mode, what: None) -> list[dict]:
+               concurrent: bool = True, on_done=lambda mode, what: None, one_at_a_time: bool = False) -> list[dict]:
     """Every worker's result, in the order of ``workers`` (mode -> worker, the planned order). ``on_done(mode,
     what)`` is told when a worker got ready or failed to (``what`` "ready"/"ended") and after each round it ran
-    ("round")."""
+    ("round"). ``one_at_a_time``: each worker gets ready, runs all its rounds and finishes before the next one
+    starts, so only one model is held at a time (real widths); round r still has the same documents in every mode,
+    but the modes' rounds no longer run side by side, so a load change is not cancelled by the pairing."""
+    if one_at_a_time:
+        return [_run_alone(mode, w, rounds, warmup_timeout_s, step_timeout_s, on_done) for mode, w in workers.items()]
     ready = {}
     try:
         if concurrent:
@@ -61,3 +65,19 @@ def run_family(workers: dict[str, Worker], rounds: int, warmup_timeout_s: float,
     finally:
         for w in workers.values():
             w.stop()
+
+
+def _run_alone(mode: str, worker: Worker, rounds: int, warmup_timeout_s: float, step_timeout_s: float,
+               on_done) -> dict:
+    try:
+        worker.start()
+        ok = worker.await_ready(warmup_timeout_s)
+        on_done(mode, "ready" if ok else "ended")
+        for index in range(rounds):
+            if not ok:
+                break
+            ok = worker.run_round(index, 0, step_timeout_s)
+            on_done(mode, "round" if ok else "ended")
+        return worker.finish(step_timeout_s)
+    finally:
+        worker.stop()

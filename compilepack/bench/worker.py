@@ -18,7 +18,7 @@ import traceback
 
 import torch
 
-from . import measure
+from . import measure, split
 from .modes import DYNAMIC, EAGER, Batch, Workload, mode_named
 
 
@@ -35,6 +35,9 @@ class ModeSpec:
     log_path: str | None = None
     inductor_cache_dir: str | None = None  # a fresh directory makes every compile cold
     profile: bool = False  # one extra, untimed step under torch.profiler: its top ops go in the result
+    widths: str = "bench"  # "real": the family's smallest release's widths (configs.REAL_WIDTH_CONFIGS)
+    time_split: bool = False  # one extra, untimed eager step timed by category (split.py)
+    step: tuple | None = None  # given documents, the same in every round (long_rows.py); None: the workload's
 
 
 def empty_result(spec: ModeSpec) -> dict:
@@ -92,6 +95,8 @@ class ModeSession:
         self._rss.resume()
         if self.spec.profile and self.result["error"] is None and getattr(self, "_rounds", None):
             self._attempt(self._profile)
+        if self.spec.time_split and self.result["error"] is None and getattr(self, "_rounds", None):
+            self._attempt(self._time_split)
         self.result["peak_mem_mb"] = round(measure.peak_memory_mb(torch.device(self.spec.device), self._rss), 1)
         return self.result
 
@@ -120,11 +125,16 @@ class ModeSession:
         self._device = torch.device(spec.device)
         family, self._mode = family_named(spec.family), mode_named(spec.mode)
         self._phase("batching")
-        warmup, self._rounds = self._mode.batches(spec.workload)
+        if spec.step is None:
+            warmup, self._rounds = self._mode.batches(spec.workload)
+        else:
+            warmup, self._rounds = self._mode.batches_of([list(doc) for doc in spec.step], spec.workload)
         _record_padding(result, [batch for batches in self._rounds for batch in batches])
         self._phase("building model")
-        model = build_model(family, spec.config, spec.workload.seed).to(self._device)
+        model = build_model(family, spec.config, spec.workload.seed, spec.widths).to(self._device)
         result["params_m"] = round(sum(p.numel() for p in model.parameters()) / 1e6, 2)
+        result["trained_params_m"] = round(sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6, 2)
+        self._model = model
         result["attn_implementation"] = model.config._attn_implementation
         first = (warmup or self._rounds[0])[0]
         self._check_docs = first.docs[: spec.check_docs]
@@ -136,7 +146,7 @@ class ModeSession:
         if self._mode.patched:
             compilepack.patch(model)
         self._step_model = _compiled(model, self._mode, spec.compile_backend)
-        self._optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        self._optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
         self._sync = measure.synchronizer(self._device)
         self._counters = measure.CompileCounters()
         self._compiles = 0
@@ -153,8 +163,10 @@ class ModeSession:
             self._phase(phase + (f", step {part + 1}/{len(batches)}" if len(batches) > 1 else ""))
             load = measure.load_average()
             seconds, compiled = self._step(batch)
+            flops = split.step_flops(self._model, [len(doc) for doc in batch.docs])
             self.result["timed"].append({"round": index, "position": position, "tokens": batch.real_tokens,
-                                         "seconds": round(seconds, 4), "load_avg": load, "compiled": compiled})
+                                         "seconds": round(seconds, 4), "load_avg": load, "compiled": compiled,
+                                         "model_flops": flops})
         self._summarize()
 
     def _step(self, batch: Batch) -> tuple[float, bool]:
@@ -192,6 +204,16 @@ class ModeSession:
         result["recompile_s"] = round(sum(o for o, (_, _, c) in zip(overhead[1:], self._records[1:]) if c), 2)
         result["timed_steps_that_compiled"] = sum(1 for step in result["timed"] if step["compiled"])
 
+    def _time_split(self) -> None:
+        """One more step of the last round's last batch, timed by category (eager modes: hooks do not trace)."""
+        if self._mode.compile is not EAGER:
+            return
+        self._phase("time split")
+        batch = self._rounds[-1][-1]
+        tensors = {k: v.to(self._device) if isinstance(v, torch.Tensor) else v for k, v in batch.tensors.items()}
+        self.result["time_split"] = {**split.split_step(self._model, tensors, self._optimizer),
+                                     "tokens": batch.real_tokens}
+
     def _profile(self) -> None:
         self._phase("profiling")
         self.result["profile_top"] = _profile_step(self._step_model, self._rounds[-1][-1], self._optimizer,
@@ -209,9 +231,13 @@ def summarize_rounds(timed: list[dict]) -> dict:
         entry["tokens"] += step["tokens"]
         entry["seconds"] += step["seconds"]
         entry["compiled"] = entry["compiled"] or step["compiled"]
+        if step.get("model_flops") is not None:
+            entry["model_flops"] = entry.get("model_flops", 0.0) + step["model_flops"]
     for entry in rounds.values():
         entry["seconds"] = round(entry["seconds"], 4)
         entry["tokens_per_s"] = round(entry["tokens"] / entry["seconds"], 1) if entry["seconds"] > 0 else None
+        if "model_flops" in entry and entry["seconds"] > 0:
+            entry["model_gflops_per_s"] = round(entry["model_flops"] / entry["seconds"] / 1e9, 2)
     rounds = sorted(rounds.values(), key=lambda entry: entry["round"])
     measured = [entry for entry in rounds if entry["tokens_per_s"]]
     steady = [entry for entry in measured if not entry["compiled"]]
@@ -222,6 +248,9 @@ def summarize_rounds(timed: list[dict]) -> dict:
     values = [entry["tokens_per_s"] for entry in (steady or measured)]
     figures.update(tokens_per_s=round(statistics.median(values), 1), tokens_per_s_min=min(values),
                    tokens_per_s_max=max(values), real_tokens_timed=sum(entry["tokens"] for entry in measured))
+    rates = [entry["model_gflops_per_s"] for entry in (steady or measured) if "model_gflops_per_s" in entry]
+    if rates:  # useful model FLOPs per second (split.step_flops): the MFU's numerator
+        figures["model_gflops_per_s"] = round(statistics.median(rates), 2)
     if not steady:
         figures["note"] = "every timed round recompiled: tokens/s includes compile time"
     return figures
@@ -278,18 +307,31 @@ def _import_family(spec: ModeSpec) -> None:
 # ------------------------------------------------------------------------------------------------ steps
 
 
-def build_model(family, config, seed: int) -> torch.nn.Module:
-    """The family's bench model (or ``config``'s), random init from ``seed``, training mode, no cache."""
+def build_model(family, config, seed: int, widths: str = "bench") -> torch.nn.Module:
+    """The family's bench model (or ``config``'s), random init from ``seed``, training mode, no cache. At real
+    widths the vocabulary matrices are frozen (see ``freeze_vocabulary``)."""
     from transformers import AutoModelForCausalLM
 
     from .configs import bench_config
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config if config is not None else bench_config(family.name))
+    model = AutoModelForCausalLM.from_config(config if config is not None else bench_config(family.name, widths))
     for sub_config in (model.config, getattr(model.config, "text_config", None)):
         if sub_config is not None:
             sub_config.use_cache = False  # what HF Trainer sets for training
+    if widths == "real":
+        freeze_vocabulary(model)
     return model.train()
+
+
+def freeze_vocabulary(model: torch.nn.Module) -> None:
+    """No gradient and no optimizer state for the input embedding and the LM head weights. At real widths they are
+    0.25-1.05 B parameters; trained with AdamW (16 bytes a parameter) they need 4-17 GB per worker, more than the
+    bench machine holds. The LM head still runs its forward and its input gradient (2/3 of its FLOPs), and the loss
+    its full-vocabulary softmax."""
+    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+        if module is not None:
+            module.weight.requires_grad_(False)
 
 
 def _compiled(model, mode, backend: str):

@@ -1,0 +1,235 @@
+"""``python -m compilepack.bench.long_rows``: how a training step's cost grows with the tokens per row.
+
+For each family and each row length ``T`` (tokens per step), the same documents three ways:
+
+- **equal documents** (``T / doc_len`` documents of ``doc_len`` tokens): patched packed (one ``[1, T]`` row) against
+  stock grouped (the ``[T / doc_len, doc_len]`` batch: no padding at all, the best a length-grouped batch can do);
+- **the bench's length mix** (the first ``T`` real tokens of the training bench's lognormal documents in arrival
+  order): patched packed against stock padded (right-padded to the longest document, as HF Trainer pads), up to
+  ``--padded-max`` tokens (stock padded computes ~5x the real tokens: its memory outgrows the machine first).
+
+Each comparison runs as the training bench's workers do (``rounds``): one warm worker process per mode, timed rounds
+taken in turn, so the ratio of two modes in the same round is paired, and each worker's peak memory is its own.
+Writes ``long-rows-<device>-<date>.json``, ``.md`` and ``.png`` (tokens/s and peak memory against T, log x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import statistics
+import time
+
+ROWS = (4096, 16384, 65536)
+EQUAL = ("patched_packed_eager", "stock_grouped_eager")
+MIX = ("patched_packed_eager", "stock_padded_eager")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from . import dependencies
+
+    args = _parser().parse_args(argv)
+    can_plot = dependencies.check(plot=not args.no_plot)
+    rows = [int(text) for text in args.rows.split(",")]
+    started, load_start = time.monotonic(), _load()
+    points = []
+    for family in args.model.split(","):
+        for tokens in rows:
+            points += _measure_point(args, family.strip(), tokens)
+            print(_point_line(points[-2:]), flush=True)
+    report = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"), "settings": vars(args),
+        "load_avg": {"start": load_start, "end": _load()}, "wall_s": round(time.monotonic() - started, 1),
+        "points": points, **_versions(),
+    }
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"long-rows-cpu-{datetime.date.today().isoformat()}"
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    stem.with_suffix(".md").write_text(markdown(report))
+    if can_plot:
+        plot(report, stem.with_suffix(".png"))
+    print(markdown(report))
+    print(f"wrote {stem}.json, .md" + (", .png" if can_plot else ""))
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m compilepack.bench.long_rows", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3_5", help="comma-separated families (default: qwen3_5)")
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="tokens per row (default: 4096,16384,65536)")
+    parser.add_argument("--doc-len", type=int, default=256, help="tokens per equal document (default: 256)")
+    parser.add_argument("--padded-max", type=int, default=16384,
+                        help="largest row stock padded runs on (default: 16384; ~5x the tokens in padding)")
+    parser.add_argument("--steps", type=int, default=2, help="timed rounds per mode and point (default: 2)")
+    parser.add_argument("--widths", choices=("bench", "real"), default="bench", help="model widths (default: bench)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: torch's)")
+    parser.add_argument("--step-timeout", type=float, default=900.0, help="seconds per timed round at most")
+    parser.add_argument("--out", default="benchmarks/results", help="output directory (default: benchmarks/results)")
+    parser.add_argument("--no-plot", action="store_true", help="write no PNG")
+    return parser
+
+
+def equal_documents(tokens: int, doc_len: int) -> list[list[int]]:
+    """``tokens // doc_len`` documents of ``doc_len`` tokens from the bench's corpus."""
+    from . import data
+
+    if tokens % doc_len:
+        raise SystemExit(f"--rows: {tokens} is not a multiple of --doc-len {doc_len}")
+    return data.documents([doc_len] * (tokens // doc_len), seed=0)
+
+
+def mixed_documents(tokens: int) -> list[list[int]]:
+    """The bench's lognormal documents in arrival order, the first ``tokens`` real tokens at most."""
+    from . import data
+
+    lengths, seed = [], 0
+    while sum(lengths) < 2 * tokens:
+        lengths += data.LengthMix().sample(256, seed)
+        seed += 1
+    return data.steps_by_token_budget(data.documents(lengths, 0), tokens)[0]
+
+
+def _measure_point(args, family: str, tokens: int) -> list[dict]:
+    points = [_compare(args, family, tokens, "equal", EQUAL, equal_documents(tokens, args.doc_len))]
+    if tokens <= args.padded_max:
+        points.append(_compare(args, family, tokens, "mix", MIX, mixed_documents(tokens)))
+    else:
+        points.append({"family": family, "tokens": tokens, "documents": "mix", "skipped":
+                       f"stock padded above --padded-max {args.padded_max} tokens"})
+    return points
+
+
+def _compare(args, family: str, tokens: int, documents: str, modes: tuple[str, ...], step) -> dict:
+    """One point: the modes' workers on the same documents, rounds taken in turn."""
+    from compilepack.patching import family_named
+
+    from .bars import paired_ratios
+    from .isolation import ProcessContext
+    from .modes import Workload
+    from .rounds import run_family
+    from .worker import ModeSpec
+
+    workload = Workload(tokens_per_step=tokens, steps=args.steps)
+    context = ProcessContext(preload=[family_named(family).modeling])
+    workers = {mode: context.worker(ModeSpec(family=family, mode=mode, workload=workload, threads=args.threads,
+                                             widths=args.widths, step=tuple(tuple(doc) for doc in step)))
+               for mode in modes}
+    results = run_family(workers, args.steps, warmup_timeout_s=args.step_timeout, step_timeout_s=args.step_timeout)
+    figures = {r["mode"]: {k: r.get(k) for k in ("tokens_per_s", "tokens_per_s_min", "tokens_per_s_max",
+                                                   "peak_mem_mb", "padding_frac", "max_logit_diff", "error")}
+               for r in results}
+    ratios = paired_ratios(results[0], results[1]) if all(r.get("tokens_per_s") for r in results) else []
+    lengths = [len(doc) for doc in step]
+    return {"family": family, "tokens": sum(lengths), "row": tokens, "documents": documents,
+            "n_docs": len(lengths), "median_len": statistics.median(lengths), "modes": figures,
+            "speedup": round(statistics.median(ratios), 3) if ratios else None,
+            "speedup_range": [round(min(ratios), 3), round(max(ratios), 3)] if ratios else None,
+            "ratios": [round(r, 3) for r in ratios], "load_avg": _load()}
+
+
+# ------------------------------------------------------------------------------------------------ outputs
+
+
+def _point_line(points: list[dict]) -> str:
+    parts = []
+    for p in points:
+        if p.get("skipped"):
+            parts.append(f"{p['documents']}: skipped")
+            continue
+        cells = ", ".join(f"{mode} {f['tokens_per_s'] or 0:.0f} tok/s {f['peak_mem_mb'] or 0:.0f} MB"
+                          for mode, f in p["modes"].items())
+        parts.append(f"{p['documents']}: {cells}, ratio {p['speedup']}")
+    return f"{points[0]['family']} T={points[0]['row']}: " + "; ".join(parts)
+
+
+def markdown(report: dict) -> str:
+    settings = report["settings"]
+    lines = [f"# compilepack long rows: cpu, {report['date']}", "",
+             (f"torch {report['torch']}, transformers {report['transformers']}; {settings['widths']} widths; "
+              f"{settings['steps']} timed rounds per mode and point, taken in turn across the point's two warm "
+              f"workers; threads {settings['threads'] or 'torch default'}; run wall time {report['wall_s']:.0f} s; "
+              f"1-minute load average {report['load_avg']['start']} at the start, {report['load_avg']['end']} at "
+              "the end, per point in the JSON."), "",
+             ("`equal`: documents of "
+              f"{settings['doc_len']} tokens, patched packed `[1, T]` vs stock grouped `[T/{settings['doc_len']}, "
+              f"{settings['doc_len']}]` (no padding: stock's best case). `mix`: the training bench's lognormal "
+              "documents in arrival order, patched packed vs stock padded to the longest document. Tokens/s: median "
+              "[min-max] over rounds; ratio: patched over stock, paired per round, median [min-max]."), "",
+             "| family | T | documents | n docs | patched tok/s | stock tok/s | ratio | patched peak MB | stock peak MB | stock padding |",
+             "|---|--:|---|--:|--:|--:|--:|--:|--:|--:|"]
+    for p in report["points"]:
+        if p.get("skipped"):
+            lines.append(f"| {p['family']} | {p['tokens']} | {p['documents']} | - | - | - | - | - | - | {p['skipped']} |")
+            continue
+        patched, stock = list(p["modes"].values())
+        ratio = "-" if p["speedup"] is None else f"{p['speedup']:.2f} [{p['speedup_range'][0]:.2f}-{p['speedup_range'][1]:.2f}]"
+        lines.append(f"| {p['family']} | {p['tokens']} | {p['documents']} | {p['n_docs']} | {_tps(patched)} | "
+                     f"{_tps(stock)} | {ratio} | {_mb(patched)} | {_mb(stock)} | "
+                     f"{(stock.get('padding_frac') or 0):.0%} |")
+    return "\n".join(lines) + "\n"
+
+
+def _tps(f: dict) -> str:
+    if not f.get("tokens_per_s"):
+        return f"- ({(f.get('error') or '')[:60]})"
+    return f"{f['tokens_per_s']:.0f} [{f['tokens_per_s_min']:.0f}-{f['tokens_per_s_max']:.0f}]"
+
+
+def _mb(f: dict) -> str:
+    return "-" if f.get("peak_mem_mb") is None else f"{f['peak_mem_mb']:.0f}"
+
+
+def plot(report: dict, path: pathlib.Path) -> None:
+    """Two panels against tokens per row (log x): tokens/s (whiskers: min-max of the rounds) and peak memory."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (speed, memory) = plt.subplots(1, 2, figsize=(12, 4.8))
+    series = {}
+    for p in report["points"]:
+        for mode, f in (p.get("modes") or {}).items():
+            if f.get("tokens_per_s"):
+                series.setdefault((p["family"], p["documents"], mode), []).append((p["tokens"], f))
+    for (family, documents, mode), values in series.items():
+        xs = [x for x, _ in values]
+        ys = [f["tokens_per_s"] for _, f in values]
+        spread = [[y - f["tokens_per_s_min"] for y, (_, f) in zip(ys, values)],
+                  [f["tokens_per_s_max"] - y for y, (_, f) in zip(ys, values)]]
+        label = f"{family} {mode} ({documents})"
+        style = "-" if documents == "equal" else "--"
+        speed.errorbar(xs, ys, yerr=spread, fmt="o" + style, capsize=3, label=label)
+        memory.plot(xs, [f["peak_mem_mb"] for _, f in values], "o" + style, label=label)
+    for axes, ylabel in ((speed, "real tokens / s (training step)"), (memory, "peak memory, MB (RSS above baseline)")):
+        axes.set_xscale("log", base=2)
+        axes.set_xlabel("tokens per row (per step)")
+        axes.set_ylabel(ylabel)
+        axes.grid(True, which="both", alpha=0.3)
+    memory.set_yscale("log")
+    speed.legend(fontsize=7)
+    figure.suptitle(f"compilepack long rows, cpu, {report['date']} ({report['settings']['widths']} widths)")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _load():
+    from .measure import load_average
+
+    return load_average()
+
+
+def _versions() -> dict:
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
