@@ -115,6 +115,9 @@ def _copy_function(function: Callable, code: types.CodeType, closure) -> Callabl
     copy.__doc__ = function.__doc__
     copy.__module__ = function.__module__
     copy.__dict__.update(function.__dict__)
+    # the signature is the stock one, annotations included (inspect.signature, Trainer and transformers' own
+    # tests read it); FunctionType() does not carry them over
+    copy.__annotations__ = dict(function.__annotations__)
     return copy
 
 
@@ -158,7 +161,7 @@ def _threaded_code(function: Callable, calls: tuple[str, ...]) -> types.CodeType
         )
     definition = _definition(tree, code)
     positional = code.co_argcount + code.co_kwonlyargcount + bool(code.co_flags & inspect.CO_VARARGS)
-    threading = _BoundaryCalls(set(calls), code.co_varnames[positional])
+    threading = _BoundaryCalls(set(calls), code.co_varnames[positional], where)
     threading.visit(definition)
     missing = set(calls) - threading.found
     if missing:
@@ -225,16 +228,31 @@ def _same_code(a: types.CodeType, b: types.CodeType) -> bool:
 
 
 class _BoundaryCalls(ast.NodeTransformer):
-    """Appends ``**__compilepack_boundaries__(<kwargs>)`` to every call whose callee reads as one of ``names``."""
+    """Appends ``**__compilepack_boundaries__(<kwargs>)`` to every call whose callee reads as one of ``names``.
 
-    def __init__(self, names: set[str], kwargs_name: str):
-        self.names, self.kwargs_name, self.found = names, kwargs_name, set()
+    A named call that already passes ``**something`` or a boundary keyword is refused: the appended kwargs would
+    repeat a keyword, and the call would fail at run time with "got multiple values for keyword argument"."""
+
+    def __init__(self, names: set[str], kwargs_name: str, where: str):
+        self.names, self.kwargs_name, self.where, self.found = names, kwargs_name, where, set()
 
     def visit_Call(self, node: ast.Call) -> ast.Call:
         self.generic_visit(node)
         callee = ast.unparse(node.func)
         if callee in self.names:
+            self._refuse_passed_boundaries(node, callee)
             self.found.add(callee)
             helper, kwargs = ast.Name(BOUNDARIES_HELPER, ast.Load()), ast.Name(self.kwargs_name, ast.Load())
             node.keywords.append(ast.keyword(arg=None, value=ast.Call(helper, [kwargs], [])))
         return node
+
+    def _refuse_passed_boundaries(self, node: ast.Call, callee: str) -> None:
+        passed = [k for k in node.keywords if k.arg is None or k.arg in BOUNDARY_KEYS]
+        if passed:
+            shown = ", ".join(f"**{ast.unparse(k.value)}" if k.arg is None else f"{k.arg}=" for k in passed)
+            raise IncompatibleTransformersError(
+                f"cannot pass the boundaries through {self.where}: its call {callee}(...) is named in the family's "
+                f"boundary_calls but already passes {shown}, so the boundary kwargs would be given twice (\"multiple "
+                f"values for keyword\" at run time). Remove {callee!r} from boundary_calls: that call already "
+                "forwards the kwargs."
+            )
