@@ -22,9 +22,34 @@ import torch
 
 from .errors import BoundaryError
 
-CU_SEQLENS_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k")
-MAX_LENGTH_KEYS = ("max_length_q", "max_length_k")
-BOUNDARY_KEYS = (*CU_SEQLENS_KEYS, *MAX_LENGTH_KEYS, "seq_idx")
+# The boundary kwargs, as DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True) names them.
+CU_SEQLENS_Q, CU_SEQLENS_K = "cu_seq_lens_q", "cu_seq_lens_k"
+MAX_LENGTH_Q, MAX_LENGTH_K = "max_length_q", "max_length_k"
+SEQ_IDX = "seq_idx"
+CU_SEQLENS_KEYS = (CU_SEQLENS_Q, CU_SEQLENS_K)
+MAX_LENGTH_KEYS = (MAX_LENGTH_Q, MAX_LENGTH_K)
+BOUNDARY_KEYS = (*CU_SEQLENS_KEYS, *MAX_LENGTH_KEYS, SEQ_IDX)
+# Other keys of a batch the contract speaks about.
+POSITION_IDS, ATTENTION_MASK, LABELS = "position_ids", "attention_mask", "labels"
+# Internal: the host copy of cu_seq_lens_q that the patched decoder hands to the layers (kernels that need host-side
+# sizes read it instead of copying the device tensor back). Never part of a user's batch.
+HOST_CU_SEQLENS = "cu_seq_lens_q_cpu"
+# The keys a patched model moves to the device itself (compilepack.to_device leaves them on the host).
+HOST_BOUNDARY_KEYS = CU_SEQLENS_KEYS
+
+FIX_COLLATE = (
+    "collate with transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True) "
+    "or compilepack.PackedCollator"
+)
+
+
+def document_starts(ids: torch.Tensor, step: int = 0) -> torch.Tensor:
+    """``[rows, T]`` bool: where a document starts, given document ids (``step`` 0: where the id changes) or
+    positions (``step`` 1: where a position does not follow the previous one). Every row start counts. Traceable:
+    no host read."""
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1] + step
+    return starts
 
 
 class Boundaries(NamedTuple):
@@ -64,12 +89,9 @@ class Boundaries(NamedTuple):
                 f"{total} tokens cannot be laid out in {rows} equal rows; pad the last document of each row."
             )
         row_length = total // rows
-        crossing = [i for i, (s, e) in enumerate(zip(cu[:-1], cu[1:])) if e > s and s // row_length != (e - 1) // row_length]
-        if crossing:
-            raise BoundaryError(
-                f"document {crossing[0]} (tokens {cu[crossing[0]]}:{cu[crossing[0] + 1]}) crosses a row edge "
-                f"(rows of {row_length}); every row edge must also be a document edge."
-            )
+        from .guards import check_row_edges_on_host  # guards builds on these keys: imported here, not at the top
+
+        check_row_edges_on_host(cu, rows, row_length)
         seq_idx = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths))
         starts = torch.tensor(cu[:-1], dtype=torch.int64)
         positions = torch.arange(total) - torch.repeat_interleave(starts, torch.tensor(lengths)) + position_start
@@ -97,8 +119,7 @@ class Boundaries(NamedTuple):
         if positions.dim() != 2 or positions.numel() == 0:
             raise BoundaryError(f"position_ids must be a non-empty [rows, T] tensor, got {tuple(positions.shape)}.")
         positions = positions.to("cpu", torch.int64)
-        starts = torch.ones_like(positions, dtype=torch.bool)
-        starts[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+        starts = document_starts(positions, step=1)
         flat_starts = starts.flatten().nonzero().flatten().tolist()
         lengths = [e - s for s, e in zip(flat_starts, [*flat_starts[1:], positions.numel()])]
         boundaries = cls.from_lengths(lengths, rows=positions.shape[0])
@@ -116,10 +137,10 @@ class Boundaries(NamedTuple):
     def as_kwargs(self) -> dict:
         """The HF collator's keys for these boundaries, ready for ``model(**batch)``."""
         return {
-            "cu_seq_lens_q": self.cu_seqlens,
-            "cu_seq_lens_k": self.cu_seqlens,
-            "max_length_q": self.max_seqlen,
-            "max_length_k": self.max_seqlen,
-            "seq_idx": self.seq_idx,
-            "position_ids": self.position_ids,
+            CU_SEQLENS_Q: self.cu_seqlens,
+            CU_SEQLENS_K: self.cu_seqlens,
+            MAX_LENGTH_Q: self.max_seqlen,
+            MAX_LENGTH_K: self.max_seqlen,
+            SEQ_IDX: self.seq_idx,
+            POSITION_IDS: self.position_ids,
         }

@@ -13,7 +13,7 @@ from collections.abc import Callable, MutableMapping
 
 import torch
 
-from .boundaries import Boundaries
+from .boundaries import ATTENTION_MASK, CU_SEQLENS_Q, HOST_BOUNDARY_KEYS, POSITION_IDS, Boundaries
 from .validation import validate
 
 
@@ -41,21 +41,17 @@ def with_boundaries(collate_fn: Callable) -> Callable:
 
 def add_boundaries(batch: MutableMapping) -> MutableMapping:
     """Add the boundary kwargs a packed ``batch`` lacks (from its ``position_ids``), validate it, and return it."""
-    position_ids = batch.get("position_ids")
+    position_ids = batch.get(POSITION_IDS)
     needs_boundaries = (
-        batch.get("cu_seq_lens_q") is None and position_ids is not None and batch.get("attention_mask") is None
+        batch.get(CU_SEQLENS_Q) is None and position_ids is not None and batch.get(ATTENTION_MASK) is None
     )
     if needs_boundaries:
         # multimodal RoPE positions are [3, rows, T]; their text row restarts like plain positions
         text_positions = position_ids[0] if position_ids.dim() == 3 else position_ids
         boundaries = Boundaries.from_position_ids(text_positions)
-        batch.update({k: v for k, v in boundaries.as_kwargs().items() if k != "position_ids"})
+        batch.update({k: v for k, v in boundaries.as_kwargs().items() if k != POSITION_IDS})
     validate(batch)
     return batch
-
-
-# the keys a patched model moves to the device itself, keeping the host copy for the kernels that need host sizes
-HOST_BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k")
 
 
 def to_device(batch: MutableMapping, device, non_blocking: bool = True) -> dict:

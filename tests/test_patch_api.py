@@ -172,11 +172,11 @@ def test_a_family_outside_its_releases_is_refused_naming_them():
 def test_packed_batch_with_attention_mask_or_cache_is_refused_in_the_model():
     model = compilepack.patch(_model())
     batch = hf_batch([[1, 2, 3], [4, 5]])
-    with pytest.raises(BoundaryError, match="'attention_mask' was passed together with boundary kwargs"):
+    with pytest.raises(BoundaryError, match="'attention_mask': expected no padding mask in a batch with boundary kwargs"):
         model(**batch, attention_mask=torch.ones(1, 5, dtype=torch.long))
     from transformers import DynamicCache
 
-    with pytest.raises(BoundaryError, match="a cache was passed with a packed batch"):
+    with pytest.raises(BoundaryError, match="'past_key_values': expected no cache with a packed batch"):
         model(**batch, cache=DynamicCache(config=model.config))
 
 
@@ -214,9 +214,9 @@ def test_packed_rows_without_boundaries_fail_loudly_in_the_model():
     model = compilepack.patch(_model())
     batch = hf_batch([[1, 2, 3], [4, 5]])
     positions_only = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
-    with pytest.raises(BoundaryError, match="position_ids restart inside a row"):
+    with pytest.raises(BoundaryError, match="'position_ids': expected positions counting up without restart inside a row"):
         model(**positions_only)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)
-    with pytest.raises(RuntimeError, match="position_ids restart inside a row"):
+    with pytest.raises(RuntimeError, match="'position_ids': expected positions counting up without restart inside a row"):
         compiled(**positions_only)
     model(input_ids=batch["input_ids"], position_ids=torch.arange(5)[None])

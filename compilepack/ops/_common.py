@@ -17,16 +17,6 @@ def seq_idx_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tenso
     return (torch.searchsorted(cu_seqlens, positions, right=True) - 1).to(torch.int32)
 
 
-def doc_starts_from_seq_idx(seq_idx: torch.Tensor) -> torch.Tensor:
-    """Bool mask, same shape as ``seq_idx`` ``[..., T]``: True where a token starts a new document.
-
-    The first token of every row counts as a start, so rows never leak into each other either.
-    """
-    starts = torch.ones_like(seq_idx, dtype=torch.bool)
-    starts[..., 1:] = seq_idx[..., 1:] != seq_idx[..., :-1]
-    return starts
-
-
 def host_boundaries(cu_seqlens: torch.Tensor) -> list[int]:
     """``cu_seqlens`` as Python ints, for reference ops that loop over documents.
 

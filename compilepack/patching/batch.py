@@ -1,31 +1,52 @@
-"""Once per forward, at the top of the patched decoder: turn the collator's boundary kwargs into device tensors.
+"""Once per forward, at the top of the patched decoder: check the batch's boundaries and turn them into device
+tensors, or hand a batch without boundaries to the stock forward.
 
 The layers below receive the same keys the HF collator emits (``cu_seq_lens_q``, ``max_length_q``,
 ``seq_idx``...), already on the model's device, so no layer moves or derives anything itself. This code is
-traced by dynamo: inside a graph it branches only on static facts (which keys are present, devices), never on
-tensor values.
+traced by dynamo: inside a graph it branches only on static facts (which keys are present, types, devices),
+never on tensor values; the value rules become asynchronous device asserts there (:mod:`compilepack.guards`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 
-from ..boundaries import BOUNDARY_KEYS
-from ..errors import BoundaryError
+from .. import guards
+from ..boundaries import (
+    ATTENTION_MASK,
+    CU_SEQLENS_K,
+    CU_SEQLENS_Q,
+    HOST_CU_SEQLENS,
+    MAX_LENGTH_K,
+    MAX_LENGTH_Q,
+    POSITION_IDS,
+    SEQ_IDX,
+)
 from ..ops._common import seq_idx_from_cu_seqlens
 
 
-def packed_decoder_forward(stock_forward: Callable, parameter_names: tuple[str, ...]) -> Callable:
-    """A decoder ``forward`` that prepares packed kwargs, then runs the (rebound) stock forward."""
+def packed_decoder_forward(
+    packed_forward: Callable, stock_forward: Callable, parameter_names: tuple[str, ...], *,
+    stock_packs_positions: bool = False,
+) -> Callable:
+    """A decoder ``forward``: a batch with boundary kwargs is checked, prepared and run by ``packed_forward`` (the
+    stock forward rebound to compilepack's mask creators); any other batch runs ``stock_forward`` exactly.
 
+    ``stock_packs_positions``: the stock forward keeps documents of a position_ids-only packed row apart by itself
+    (attention-only families, when it builds no cache): such rows run stock. Otherwise they are refused, since the
+    stock forward would mix their documents.
+    """
+
+    @functools.wraps(stock_forward)  # the stock signature, for inspect.signature, Trainer and PEFT
     def forward(self, *args, **kwargs):
         kwargs.update(zip(parameter_names, args))  # transformers passes keywords; positional ones are named here
-        if any(kwargs.get(key) is not None for key in BOUNDARY_KEYS):
-            kwargs = prepare_packed_kwargs(kwargs)
-        elif kwargs.get("attention_mask") is None and not _has_cache(kwargs):
-            _refuse_unmarked_packing(kwargs.get("position_ids"))
+        if guards.has_boundaries(kwargs):
+            return packed_forward(self, **prepare_packed_kwargs(kwargs))
+        if not (stock_packs_positions and not _builds_cache(self, kwargs)):
+            _refuse_unmarked_packing(kwargs)
         return stock_forward(self, **kwargs)
 
     forward.__compilepack__ = True
@@ -33,88 +54,87 @@ def packed_decoder_forward(stock_forward: Callable, parameter_names: tuple[str, 
 
 
 def prepare_packed_kwargs(kwargs: dict) -> dict:
-    """Boundary kwargs on the tokens' device, with ``seq_idx`` and missing ``position_ids`` derived.
+    """Boundary kwargs checked and on the tokens' device, with ``seq_idx`` and missing ``position_ids`` derived.
 
     ``cu_seq_lens_q`` is the single source of truth: ``seq_idx`` is recomputed from it (one searchsorted)
     so the attention and the mixers can never disagree about where a document starts.
     """
-    _refuse_conflicting_inputs(kwargs)
     tokens = kwargs.get("input_ids")
     if tokens is None:
         tokens = kwargs["inputs_embeds"]
+    guards.check_static(kwargs, tokens)
     rows, row_length = tokens.shape[0], tokens.shape[1]
-    given = kwargs["cu_seq_lens_q"]
+    given = kwargs[CU_SEQLENS_Q]
+    on_host = given.device.type == "cpu" and not torch.compiler.is_compiling()
+    if on_host:
+        guards.check_values_on_host(kwargs, rows, row_length)
     cu_seqlens = given.to(device=tokens.device, dtype=torch.int32, non_blocking=True)
+    if not on_host:
+        guards.assert_values_in_graph(kwargs, cu_seqlens, rows, row_length)
+    elif kwargs.get(SEQ_IDX) is not None and kwargs[SEQ_IDX].device.type != "cpu":
+        guards.assert_seq_idx_in_graph(kwargs[SEQ_IDX], cu_seqlens, rows, row_length)
     seq_idx_flat = seq_idx_from_cu_seqlens(cu_seqlens, rows * row_length)
-    max_seqlen = kwargs.get("max_length_q")
-    if max_seqlen is None:
-        max_seqlen = row_length  # documents never cross rows, so the row length bounds every document
-    kwargs.update(
-        cu_seq_lens_q=cu_seqlens,
-        cu_seq_lens_k=cu_seqlens,
-        max_length_q=max_seqlen,
-        max_length_k=max_seqlen,
-        seq_idx=seq_idx_flat.view(rows, row_length),
+    max_seqlen = _max_seqlen(kwargs.get(MAX_LENGTH_Q), row_length, on_host)
+    kwargs.update({
+        CU_SEQLENS_Q: cu_seqlens,
+        CU_SEQLENS_K: cu_seqlens,
+        MAX_LENGTH_Q: max_seqlen,
+        MAX_LENGTH_K: max_seqlen,
+        SEQ_IDX: seq_idx_flat.view(rows, row_length),
         # the host copy, when the batch brought one (kernels that need host-side sizes read it instead of
-        # copying cu_seqlens back from the device); None when a trainer already moved the batch to the device
-        cu_seq_lens_q_cpu=given.to(torch.int32) if given.device.type == "cpu" else None,
+        # copying cu_seqlens back from the device); None when a trainer already moved the batch to the device. A
+        # multimodal entry prepares the batch before its decoder does: the decoder keeps the entry's host copy.
+        HOST_CU_SEQLENS: given.to(torch.int32) if given.device.type == "cpu" else kwargs.get(HOST_CU_SEQLENS),
         # a packed row has no meaningful cache: several documents would write one state
-        use_cache=False,
-    )
-    if kwargs.get("position_ids") is None:
-        kwargs["position_ids"] = _positions_in_documents(cu_seqlens, seq_idx_flat).view(rows, row_length)
+        "use_cache": False,
+    })
+    if kwargs.get(POSITION_IDS) is None:
+        kwargs[POSITION_IDS] = _positions_in_documents(cu_seqlens, seq_idx_flat).view(rows, row_length)
     return kwargs
 
 
-UNMARKED_PACKING = (
-    "position_ids restart inside a row but the batch carries no boundary kwargs (cu_seq_lens_q, ...): a patched "
-    "model never infers documents from position_ids and would run the row as one sequence, mixing documents. "
-    "Collate with DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True) or "
-    "compilepack.PackedCollator, or wrap the collator with compilepack.integrations.with_boundaries."
-)
+def _max_seqlen(given, row_length, on_host: bool):
+    """The kernels' bound on document length: the batch's ``max_length_q`` when it is a Python int (or a host tensor
+    read in eager), else the row length. Documents never cross rows, so the row length bounds every document; a
+    tensor is not read inside a graph (that would be a sync) but checked there as a bound."""
+    if given is None:
+        return row_length
+    if isinstance(given, torch.Tensor):
+        return int(given) if on_host and given.device.type == "cpu" else row_length
+    return given
 
 
-def _refuse_unmarked_packing(position_ids) -> None:
+def _refuse_unmarked_packing(kwargs: dict) -> None:
     """Refuse packed rows that carry no boundaries: a batch without boundary kwargs runs every row as one
     sequence, so position_ids that restart inside a row mean the boundaries were dropped.
 
-    Eager on the CPU the check runs on the host and raises :class:`compilepack.BoundaryError`. Inside a compiled
-    graph, or on an accelerator, reading the positions would be a host sync: there it is an asynchronous device
-    assert (``torch._assert_async``), which fails the step with a ``RuntimeError`` carrying the same message (on
-    CUDA at the next synchronisation). Multimodal (3-D) position ids may legitimately jump and are not checked."""
-    if position_ids is None or position_ids.dim() != 2:
+    Eager with host positions the check runs on the host and raises :class:`compilepack.BoundaryError`. Inside a
+    compiled graph, or on an accelerator, reading the positions would be a host sync: there it is an asynchronous
+    device assert, which fails the step with a ``RuntimeError`` carrying the same rule (on CUDA at the next
+    synchronisation). Padded batches, cached decoding and multimodal (3-D) position ids are not checked."""
+    position_ids = kwargs.get(POSITION_IDS)
+    if position_ids is None or position_ids.dim() != 2 or kwargs.get(ATTENTION_MASK) is not None or _has_cache(kwargs):
         return
-    restarts = position_ids[:, 1:] != position_ids[:, :-1] + 1
     if position_ids.device.type == "cpu" and not torch.compiler.is_compiling():
-        if restarts.any():
-            raise BoundaryError(UNMARKED_PACKING)
+        refusal = guards.unmarked_packing_on_host(position_ids)
+        if refusal is not None:
+            raise refusal
         return
-    torch._assert_async(~restarts.any(), UNMARKED_PACKING)
+    guards.assert_no_unmarked_packing_in_graph(position_ids)
 
 
 def _has_cache(kwargs: dict) -> bool:
     return kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None
 
 
+def _builds_cache(module: torch.nn.Module, kwargs: dict) -> bool:
+    """Whether the stock decoder will build a cache for this call (then it skips its packed-row detection)."""
+    use_cache = kwargs.get("use_cache")
+    if use_cache is None:
+        use_cache = getattr(getattr(module, "config", None), "use_cache", False)
+    return bool(use_cache)
+
+
 def _positions_in_documents(cu_seqlens: torch.Tensor, seq_idx: torch.Tensor) -> torch.Tensor:
     positions = torch.arange(seq_idx.numel(), device=seq_idx.device)
     return positions - cu_seqlens.long()[seq_idx.long()]
-
-
-def _refuse_conflicting_inputs(kwargs: dict) -> None:
-    if kwargs.get("cu_seq_lens_q") is None:
-        raise BoundaryError(
-            "the batch has boundary kwargs but no 'cu_seq_lens_q' (seq_idx alone cannot be turned into boundaries "
-            "inside a compiled graph). Collate with DataCollatorWithFlattening(return_flash_attn_kwargs=True, "
-            "return_seq_idx=True) or compilepack.PackedCollator."
-        )
-    if kwargs.get("attention_mask") is not None:
-        raise BoundaryError(
-            "'attention_mask' was passed together with boundary kwargs: a padding mask conflicts with the packed "
-            "layout. Drop 'attention_mask' from packed batches."
-        )
-    if _has_cache(kwargs):
-        raise BoundaryError(
-            "a cache was passed with a packed batch: packed rows hold several documents and cannot continue a "
-            "cache. Run packed batches without 'cache'/'past_key_values' (generation works on unpacked inputs)."
-        )

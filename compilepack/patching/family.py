@@ -85,6 +85,14 @@ class Family:
         """Whether the installed transformers is one this family is tested on."""
         return SpecifierSet(self.supported_transformers).contains(Version(transformers.__version__), prereleases=True)
 
+    @property
+    def stock_packs_positions(self) -> bool:
+        """Whether stock transformers keeps the documents of a position_ids-only packed row apart by itself (when it
+        builds no cache): true of attention-only families, whose mask creator reads documents off position_ids;
+        tests/patches/test_plain_batches.py measures it per family. Such rows then run stock instead of being
+        refused."""
+        return all(needed == (R.ATTENTION,) for needed in self.layers.values())
+
     def forwards(self, backends: Backends) -> dict[type, Callable]:
         """class -> the patched forward for it, checking the installed transformers first."""
         if not self.available:
@@ -179,10 +187,13 @@ def _patched_forwards(family: Family, backends: Backends, classes: tuple) -> dic
         forwards[cls] = with_globals(cls.forward, own, tuple(family.boundary_calls.get(cls.__name__, ())))
     for forward in forwards.values():
         innermost(forward).__compilepack__ = True
-    forwards[decoder_cls] = packed_decoder_forward(forwards[decoder_cls], _parameter_names(decoder_cls.forward))
+    forwards[decoder_cls] = packed_decoder_forward(
+        forwards[decoder_cls], decoder_cls.forward, _parameter_names(decoder_cls.forward),
+        stock_packs_positions=family.stock_packs_positions,
+    )
     for class_name in family.entries:
         cls = by_name[class_name]
-        forwards[cls] = packed_decoder_forward(cls.forward, _parameter_names(cls.forward))
+        forwards[cls] = packed_decoder_forward(cls.forward, cls.forward, _parameter_names(cls.forward))
     return forwards
 
 

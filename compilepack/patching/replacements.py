@@ -13,14 +13,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import math
 from collections.abc import Callable
 
 import torch
 
 from ..backends import Backends
+from ..boundaries import CU_SEQLENS_Q, HOST_CU_SEQLENS, MAX_LENGTH_Q
 from ..errors import BoundaryError
+from ..ops import (
+    causal_conv1d_varlen,
+    gated_delta_rule_varlen,
+    kimi_delta_attention_varlen,
+    mamba2_chunk_scan_varlen,
+    selective_scan_varlen,
+    varlen_attention,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,32 +65,26 @@ class PackedAttentionFunctions:
 
 
 def packed_attention(module, query, key, value, attention_mask, *, stock_attention, backend, **kwargs):
-    """transformers attention-interface function: ``[B, H, T, D]`` inputs, returns ``([B, T, H, Dv], None)``."""
-    from ..ops.attention import varlen_attention
+    """transformers attention-interface function: ``[B, H, T, D]`` inputs, returns ``([B, T, H, Dv], None)``.
 
-    cu_seqlens = kwargs.get("cu_seq_lens_q")
-    if cu_seqlens is None and (attention_mask is not None or query.shape[2] != key.shape[2]):
-        # padded batch or cached decoding: not packed, stock semantics
-        return stock_attention(module, query, key, value, attention_mask, **kwargs)
-    rows, heads, row_length, _ = query.shape
-    max_seqlen = kwargs.get("max_length_q")
+    Only a packed batch (one that carries ``cu_seq_lens_q``: a static fact) runs compilepack's op; every other call
+    (padded, unpadded, cached decoding) is the stock function's, with its dropout and attention weights."""
+    cu_seqlens = kwargs.get(CU_SEQLENS_Q)
     if cu_seqlens is None:
-        # an unpadded batch with no boundaries: every row is one document
-        cu_seqlens = torch.arange(rows + 1, device=query.device, dtype=torch.int32) * row_length
-    if max_seqlen is None:
-        max_seqlen = row_length
+        return stock_attention(module, query, key, value, attention_mask, **kwargs)
     _refuse_unsupported_attention(module, kwargs)
+    rows, heads, row_length, _ = query.shape
     query, key, value = _autocast_dtype(query, key, value)
     out = varlen_attention(
         _tokens_first(query),
         _tokens_first(key),
         _tokens_first(value),
         cu_seqlens,
-        max_seqlen,
+        row_length if kwargs.get(MAX_LENGTH_Q) is None else kwargs[MAX_LENGTH_Q],
         causal=getattr(module, "is_causal", True),
         scale=kwargs.get("scaling"),
         window=kwargs.get("sliding_window"),
-        cu_seqlens_cpu=kwargs.get("cu_seq_lens_q_cpu"),
+        cu_seqlens_cpu=kwargs.get(HOST_CU_SEQLENS),
         backend=backend,
     )
     return out.view(rows, row_length, heads, -1), None
@@ -104,13 +106,22 @@ def _tokens_first(x_BHTD: torch.Tensor) -> torch.Tensor:
 
 
 def _refuse_unsupported_attention(module, kwargs) -> None:
+    """What a packed batch cannot do that stock attention can: refused, never silently dropped."""
+    name = type(module).__name__
     if kwargs.get("dropout", 0.0):
         raise NotImplementedError(
-            f"{type(module).__name__}: attention dropout ({kwargs['dropout']}) is not supported on packed batches; "
-            "set config.attention_dropout = 0.0."
+            f"{name}: attention dropout ({kwargs['dropout']}) is not supported on packed batches (batches without "
+            "boundary kwargs run stock attention, dropout included); set config.attention_dropout = 0.0 to train "
+            "packed."
+        )
+    config = getattr(module, "config", None)
+    if kwargs.get("output_attentions", getattr(config, "output_attentions", False)):
+        raise NotImplementedError(
+            f"{name}: output_attentions=True is not supported on packed batches (compilepack's attention op returns "
+            "no weights); run the batch unpacked, without boundary kwargs, to get attention weights."
         )
     if kwargs.get("softcap") is not None:
-        raise NotImplementedError(f"{type(module).__name__}: attention logit softcapping is not supported yet.")
+        raise NotImplementedError(f"{name}: attention logit softcapping is not supported yet.")
 
 
 ATTENTION = Replacement("ALL_ATTENTION_FUNCTIONS", lambda stock, b: PackedAttentionFunctions(stock, b.attention))
@@ -145,8 +156,6 @@ def _make_causal_conv1d(stock: Callable, backends: Backends) -> Callable:
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, seq_idx=None, **kwargs):
         if seq_idx is None:
             return stock(hidden_states, weight, bias, activation=activation)
-        from ..ops.causal_conv1d import causal_conv1d_varlen
-
         return causal_conv1d_varlen(hidden_states, weight, bias, seq_idx, activation, backend=backends.conv)
 
     return causal_conv1d_fn
@@ -160,15 +169,15 @@ CAUSAL_CONV1D = Replacement(
 # ------------------------------------------------------------------------------------------------ gated delta rule
 
 
-def _delta_rule(global_name: str, op: str, what: str, boundaries: str, stock_takes_kwargs: bool) -> Replacement:
+def _delta_rule(
+    global_name: str, varlen: Callable, what: str, boundaries: str, stock_takes_kwargs: bool
+) -> Replacement:
     """transformers' chunked delta rule ``global_name`` (``query, key, value, g, beta`` and its chunk, state and
-    l2norm arguments): the stock function for batches without boundaries, compilepack's ``ops.<op>`` for those that
+    l2norm arguments): the stock function for batches without boundaries, compilepack's op ``varlen`` for those that
     pass them (as the keyword ``boundaries``). ``stock_takes_kwargs``: the other keywords go to the stock function
     too."""
 
     def make(stock: Callable, backends: Backends) -> Callable:
-        varlen = getattr(importlib.import_module(f"..ops.{op}", __package__), f"{op}_varlen")
-
         def chunk_delta_rule(
             query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
             use_qk_l2norm_in_kernel=False, **kwargs,
@@ -183,7 +192,7 @@ def _delta_rule(global_name: str, op: str, what: str, boundaries: str, stock_tak
             _refuse_state(initial_state is not None or output_final_state, what)
             out = varlen(
                 query, key, value, g, beta, cu_seqlens, use_qk_l2norm=use_qk_l2norm_in_kernel,
-                cu_seqlens_cpu=kwargs.get("cu_seq_lens_q_cpu"), backend=backends.gated_delta,
+                cu_seqlens_cpu=kwargs.get(HOST_CU_SEQLENS), backend=backends.gated_delta,
             )
             return out, None
 
@@ -196,12 +205,12 @@ def _delta_rule(global_name: str, op: str, what: str, boundaries: str, stock_tak
 
 # Gated DeltaNet's delta rule; its layers pass the boundaries as ``cu_seqlens``.
 GATED_DELTA_RULE = _delta_rule(
-    "torch_chunk_gated_delta_rule", "gated_delta_rule", "gated delta rule", "cu_seqlens", stock_takes_kwargs=False
+    "torch_chunk_gated_delta_rule", gated_delta_rule_varlen, "gated delta rule", "cu_seqlens", stock_takes_kwargs=False
 )
 # The KDA kernel of Kimi Linear, given the layer's kwargs; CUDA backend: the gated-delta-rule kind's choice (fla
 # serves both).
 KIMI_DELTA_ATTENTION = _delta_rule(
-    "chunk_kimi_delta_attention", "kimi_delta_attention", "Kimi delta attention", "cu_seq_lens_q",
+    "chunk_kimi_delta_attention", kimi_delta_attention_varlen, "Kimi delta attention", CU_SEQLENS_Q,
     stock_takes_kwargs=True,
 )
 
@@ -222,8 +231,6 @@ def _make_mamba2_chunk_scan(stock: Callable, backends: Backends) -> Callable:
         _refuse_state(initial_states is not None or return_final_states, "Mamba2 scan")
         if z is not None:
             raise NotImplementedError("mamba2_chunk_scan with a gate z is not supported on packed batches yet.")
-        from ..ops.mamba2 import mamba2_chunk_scan_varlen
-
         return mamba2_chunk_scan_varlen(
             hidden_states, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
             dt_limit=tuple(dt_limit), seq_idx=seq_idx, backend=backends.ssd,
@@ -279,8 +286,6 @@ def _make_selective_scan(stock: Callable, backends: Backends) -> Callable:
                 use_associative_scan=use_associative_scan,
             )
         _refuse_state(return_last_state, "selective scan")
-        from ..ops.selective_scan import selective_scan_varlen
-
         return selective_scan_varlen(
             hidden_states, dt, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
             seq_idx=seq_idx, backend=backends.ssd,

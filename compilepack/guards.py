@@ -1,0 +1,317 @@
+"""The rules a packed batch's boundaries must satisfy, their messages, and the two places they are checked.
+
+One rule, one message: :func:`compilepack.validate` (host, once per batch), the patched decoder (every call) and
+the integrations all raise the texts built here. Every message names the key, what was expected, what was found
+and the fix.
+
+The patched decoder checks every batch it receives, whoever built it:
+
+- :func:`check_static` (types, dtypes, ranks, devices, conflicting inputs): facts dynamo knows while tracing. In
+  eager they raise :class:`~compilepack.BoundaryError`; under ``torch.compile`` the refusal is raised from a
+  function dynamo runs at trace time (``assume_constant_result``), so the message leads the compile error instead of
+  hiding in an "Observed exception", and a valid batch adds nothing to the graph.
+- :func:`check_values_on_host` when the boundaries are host tensors in eager mode (the common case): exact checks
+  with the offending values in the message, on the host, before any compute.
+- :func:`assert_values_in_graph` otherwise (compiled, or boundaries already on an accelerator): asynchronous
+  device asserts (``torch._assert_async``). No ``.item()``, no ``.tolist()``, no branch on values, so no host sync
+  and no graph break; a broken rule fails the step with a ``RuntimeError`` naming the rule (on CUDA at the next
+  synchronising call).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+
+from .boundaries import (
+    ATTENTION_MASK,
+    BOUNDARY_KEYS,
+    CU_SEQLENS_K,
+    CU_SEQLENS_Q,
+    FIX_COLLATE,
+    MAX_LENGTH_KEYS,
+    SEQ_IDX,
+    document_starts,
+)
+from .errors import BoundaryError
+from .ops._common import seq_idx_from_cu_seqlens
+
+_INTEGER_DTYPES = (torch.int32, torch.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One rule of the boundary contract: the key it is about, what is expected, and how to fix a violation."""
+
+    key: str
+    expected: str
+    fix: str
+
+    def message(self, found: str) -> str:
+        return f"'{self.key}': expected {self.expected}, found {found}. Fix: {self.fix}."
+
+    def refuse(self, found: str) -> BoundaryError:
+        return BoundaryError(self.message(found))
+
+    def assert_async(self, holds: torch.Tensor) -> None:
+        """Fail the step (without a host sync) where ``holds`` is False."""
+        torch._assert_async(holds, self.message("a value that breaks this rule (checked on the device)"))
+
+
+_CUMULATIVE = "cumulative document lengths over the flattened tokens"
+CU_TENSOR = Rule(
+    CU_SEQLENS_Q, f"a 1-D int32 (or int64) tensor [N+1] of {_CUMULATIVE}",
+    "build it as torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32); for several rows, the "
+    "boundaries are still one 1-D tensor over all rows' tokens",
+)
+CU_DEVICE = Rule(
+    CU_SEQLENS_Q, "a tensor on the CPU (the collator's host copy) or on the model's device",
+    "leave it on the CPU (compilepack.to_device moves a batch but keeps the boundaries on the host)",
+)
+STARTS_AT_ZERO = Rule(CU_SEQLENS_Q, "0 as the first entry", "start the cumulative sum at 0; tokens before it would be dropped")
+ENDS_AT_TOKENS = Rule(
+    CU_SEQLENS_Q, "the batch's token count (rows x row length) as the last entry",
+    "these boundaries belong to another batch, or were cut: build them from this batch's documents",
+)
+NON_DECREASING = Rule(CU_SEQLENS_Q, "non-decreasing entries", "build it as a cumulative sum of document lengths")
+ROW_EDGES = Rule(
+    CU_SEQLENS_Q, "every row edge (a multiple of the row length) among the entries, as documents never cross rows",
+    "end the last document of each row at the row's end (pad it), or pack all documents in one row",
+)
+K_EQUALS_Q = Rule(
+    CU_SEQLENS_K, "the same values as 'cu_seq_lens_q' (in training every document attends to itself)",
+    "pass the same tensor for both, or leave 'cu_seq_lens_k' out",
+)
+CU_REQUIRED = Rule(
+    CU_SEQLENS_Q, "present whenever a batch carries boundary kwargs (seq_idx alone cannot become boundaries "
+    "inside a compiled graph)", FIX_COLLATE + " (return_flash_attn_kwargs=True)",
+)
+MAX_LENGTH = Rule(
+    "max_length_q", "a Python int >= the longest document (an upper bound: the row length works)",
+    "use the longest document's length, or leave it out (the row length is used)",
+)
+SEQ_IDX_TENSOR = Rule(
+    SEQ_IDX, "an int32 (or int64) tensor shaped like input_ids [rows, row length]",
+    "build it with the boundaries, or leave it out (compilepack derives it from 'cu_seq_lens_q')",
+)
+SEQ_IDX_AGREES = Rule(
+    SEQ_IDX, "document starts at the same tokens as 'cu_seq_lens_q'",
+    "build both from the same document lengths, or leave 'seq_idx' out",
+)
+NO_MASK = Rule(
+    ATTENTION_MASK, "no padding mask in a batch with boundary kwargs (a mask conflicts with the packed layout)",
+    "drop 'attention_mask' from packed batches: the boundaries already say which tokens belong together",
+)
+NO_CACHE = Rule(
+    "past_key_values", "no cache with a packed batch (a packed row holds several documents and cannot continue "
+    "one cache)", "run packed batches without 'cache'/'past_key_values'; generate on unpacked inputs",
+)
+UNMARKED_PACKING = Rule(
+    "position_ids", "positions counting up without restart inside a row when the batch carries no boundary kwargs "
+    "(compilepack never infers documents from position_ids: the row would run as one sequence, mixing documents)",
+    FIX_COLLATE + ", or wrap the collator with compilepack.integrations.with_boundaries",
+)
+# Checked by compilepack.validate / checked / PackedCollator on the host; the model itself does not read labels, and
+# positions only feed the rotary embedding.
+POSITIONS_RESTART = Rule(
+    "position_ids", "positions counting from the same start inside every document (restarting at each one)",
+    "build position_ids with the boundaries (DataCollatorWithFlattening does), or leave them out",
+)
+LABELS_AT_STARTS = Rule(
+    "labels", "-100 at every document start (the causal-LM loss shifts labels by one, so that label would be "
+    "predicted from the previous document's last token)",
+    "set labels to -100 at every document start, as DataCollatorWithFlattening does",
+)
+SHAPED_LIKE_TOKENS = Rule("labels", "the shape of input_ids", "build it with the same rows and row length as input_ids")
+
+
+# ------------------------------------------------------------------------------------------------ static facts
+
+
+@torch.compiler.assume_constant_result
+def _refuse_if(broken: bool, rule: Rule, *found) -> bool:
+    """Raise ``rule``'s error when ``broken``; ``found``: constants describing the value (see :func:`_facts`).
+
+    Under torch.compile dynamo calls this at trace time with its constant arguments instead of tracing it: the
+    refusal surfaces as the compile error's first line, and a valid batch adds no node to the graph."""
+    if broken:
+        raise rule.refuse(_described(*found))
+    return False
+
+
+def check_static(kwargs: Mapping, tokens: torch.Tensor) -> None:
+    """The rules that types, dtypes, ranks, devices and present keys decide (known while tracing)."""
+    _refuse_if(kwargs.get(CU_SEQLENS_Q) is None, CU_REQUIRED, "no 'cu_seq_lens_q'")
+    _refuse_if(kwargs.get(ATTENTION_MASK) is not None, NO_MASK, "an 'attention_mask'")
+    _refuse_if(kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None, NO_CACHE, "a cache")
+    for key in (CU_SEQLENS_Q, CU_SEQLENS_K):
+        _check_cu_static(key, kwargs.get(key), tokens.device)
+    for key in MAX_LENGTH_KEYS:
+        value = kwargs.get(key)
+        bad_type = value is not None and (isinstance(value, bool) or not isinstance(value, (int, torch.Tensor)))
+        bad_tensor = isinstance(value, torch.Tensor) and (value.dim() != 0 or value.is_floating_point())
+        _refuse_if(bad_type or bad_tensor, _about(key, MAX_LENGTH), *_facts(value))
+    seq_idx = kwargs.get(SEQ_IDX)
+    if seq_idx is not None:
+        bad = not isinstance(seq_idx, torch.Tensor) or seq_idx.dtype not in _INTEGER_DTYPES or seq_idx.dim() != 2
+        _refuse_if(_decided(bad or tuple(seq_idx.shape) != tuple(tokens.shape[:2])), SEQ_IDX_TENSOR, *_facts(seq_idx))
+
+
+def _check_cu_static(key: str, cu, device: torch.device) -> None:
+    if cu is None:
+        return
+    bad = not isinstance(cu, torch.Tensor) or cu.dtype not in _INTEGER_DTYPES or cu.dim() != 1 or cu.shape[0] < 2
+    _refuse_if(_decided(bad), _about(key, CU_TENSOR), *_facts(cu))
+    _refuse_if(cu.device.type != "cpu" and cu.device != device, _about(key, CU_DEVICE), *_facts(cu))
+
+
+def _decided(condition) -> bool:
+    """``condition`` as a plain bool. A comparison of symbolic sizes is a SymBool while compiling; branching on it
+    makes dynamo decide it (a guard on the sizes), so the refusal's argument is a constant."""
+    return True if condition else False
+
+
+def _facts(value) -> tuple:
+    """What a message says about a value, as constants dynamo can hand to :func:`_refuse_if`: the type's name,
+    and for a tensor its dtype, device and shape (only its rank while compiling: sizes may be symbolic)."""
+    if not isinstance(value, torch.Tensor):
+        return (type(value).__name__,)
+    shape = value.dim() if torch.compiler.is_compiling() else tuple(value.shape)
+    return ("Tensor", value.dtype, str(value.device), shape)
+
+
+def _described(*found) -> str:
+    if len(found) == 1:
+        return found[0] if found[0].startswith(("a ", "an ", "no ")) else f"a {found[0]}"
+    _, dtype, device, shape = found
+    shape = f"{shape}-D" if isinstance(shape, int) else f"shape {list(shape)}"
+    return f"a tensor of {str(dtype).replace('torch.', '')}, {shape}, on {device}"
+
+
+# ------------------------------------------------------------------------------------------------ values, on the host
+
+
+def check_values_on_host(kwargs: Mapping, rows: int, row_length: int) -> list[int]:
+    """Every value rule, exactly, on host boundaries; returns ``cu_seq_lens_q`` as Python ints.
+
+    Raises :class:`~compilepack.BoundaryError` with the offending entries in the message.
+    """
+    cu = check_cumulative_on_host(CU_SEQLENS_Q, kwargs[CU_SEQLENS_Q], rows * row_length)
+    cu_k = kwargs.get(CU_SEQLENS_K)
+    if cu_k is not None and cu_k is not kwargs[CU_SEQLENS_Q] and cu_k.tolist() != cu:
+        raise K_EQUALS_Q.refuse(f"{_preview(cu_k.tolist())} next to 'cu_seq_lens_q' {_preview(cu)}")
+    check_row_edges_on_host(cu, rows, row_length)
+    longest = max(e - s for s, e in zip(cu[:-1], cu[1:]))
+    for key in MAX_LENGTH_KEYS:
+        value = kwargs.get(key)
+        if value is not None and int(value) < longest:
+            raise _about(key, MAX_LENGTH).refuse(f"{int(value)} with a document of {longest} tokens")
+    seq_idx = kwargs.get(SEQ_IDX)
+    if seq_idx is not None and seq_idx.device.type == "cpu":
+        check_seq_idx_on_host(seq_idx, cu, rows, row_length)
+    return cu
+
+
+def check_cumulative_on_host(key: str, cu: torch.Tensor, total: int) -> list[int]:
+    """The rules of one cumulative-lengths tensor (already of the right type and rank), on the host."""
+    values = cu.tolist()
+    if values[0] != 0:
+        raise _about(key, STARTS_AT_ZERO).refuse(f"{values[0]} in {_preview(values)}")
+    drop = next((i for i in range(1, len(values)) if values[i] < values[i - 1]), None)
+    if drop is not None:
+        raise _about(key, NON_DECREASING).refuse(f"entry {drop} ({values[drop]}) < entry {drop - 1} ({values[drop - 1]})")
+    if values[-1] != total:
+        raise _about(key, ENDS_AT_TOKENS).refuse(f"{values[-1]} for a batch of {total} tokens")
+    return values
+
+
+def check_row_edges_on_host(cu: list[int], rows: int, row_length: int) -> None:
+    missing = sorted({r * row_length for r in range(1, rows)} - set(cu))
+    if missing:
+        crossing = next(i for i in range(len(cu) - 1) if cu[i] < missing[0] < cu[i + 1])
+        raise ROW_EDGES.refuse(
+            f"document {crossing} (tokens {cu[crossing]}:{cu[crossing + 1]}) crossing the row edge at token "
+            f"{missing[0]} (rows of {row_length})"
+        )
+
+
+def check_seq_idx_on_host(seq_idx: torch.Tensor, cu: list[int], rows: int, row_length: int) -> None:
+    """``seq_idx`` may number documents differently (the HF collator skips empty ones); what must agree is where
+    a new document starts."""
+    given = document_starts(seq_idx.to("cpu"))
+    wanted = torch.zeros(rows * row_length, dtype=torch.bool)
+    wanted[[s for s in cu[:-1] if s < rows * row_length]] = True
+    wanted = wanted.view(rows, row_length)
+    wanted[:, 0] = True
+    if not torch.equal(given, wanted):
+        row, column = (given != wanted).nonzero()[0].tolist()
+        says = "starts" if bool(given[row, column]) else "does not start"
+        raise SEQ_IDX_AGREES.refuse(
+            f"a document that {says} at row {row}, token {column} in 'seq_idx' but "
+            f"{'does not' if bool(given[row, column]) else 'does'} in 'cu_seq_lens_q'"
+        )
+
+
+def _about(key: str, rule: Rule) -> Rule:
+    """The same rule for a twin key (``cu_seq_lens_k`` for ``cu_seq_lens_q``, ``max_length_k`` for ``_q``)."""
+    return rule if rule.key == key else dataclasses.replace(rule, key=key)
+
+
+def _preview(values: list[int], limit: int = 8) -> str:
+    return str(values) if len(values) <= limit else f"[{', '.join(map(str, values[:limit]))}, ...]"
+
+
+# ------------------------------------------------------------------------------------------------ values, in the graph
+
+
+def assert_values_in_graph(kwargs: Mapping, cu: torch.Tensor, rows, row_length) -> None:
+    """Every value rule as an asynchronous device assert on ``cu`` (``cu_seq_lens_q`` on the model's device).
+
+    Size-``N+1`` tensors only (never ``cu[1:]``, whose size 1 for a one-document batch would be specialised by
+    the compiler and cost a recompile)."""
+    total = rows * row_length
+    STARTS_AT_ZERO.assert_async(cu[0] == 0)
+    ENDS_AT_TOKENS.assert_async(cu[-1] == total)
+    NON_DECREASING.assert_async((cu == cu.cummax(0).values).all())  # equal to its running maximum: never drops
+    edges = torch.arange(1, rows, device=cu.device, dtype=cu.dtype) * row_length
+    ROW_EDGES.assert_async(torch.isin(edges, cu).all())
+    lengths = torch.diff(cu, prepend=cu[:1])
+    for key in MAX_LENGTH_KEYS:
+        bound = kwargs.get(key)
+        if bound is not None:
+            bound = bound.to(cu.device) if isinstance(bound, torch.Tensor) else bound
+            _about(key, MAX_LENGTH).assert_async((lengths <= bound).all())
+    cu_k = kwargs.get(CU_SEQLENS_K)
+    if cu_k is not None and cu_k is not kwargs[CU_SEQLENS_Q]:
+        _refuse_if(_decided(cu_k.shape[0] != cu.shape[0]), K_EQUALS_Q, "a different number of entries")
+        K_EQUALS_Q.assert_async((cu_k.to(cu.device, cu.dtype) == cu).all())
+    if kwargs.get(SEQ_IDX) is not None:
+        assert_seq_idx_in_graph(kwargs[SEQ_IDX], cu, rows, row_length)
+
+
+def assert_seq_idx_in_graph(seq_idx: torch.Tensor, cu: torch.Tensor, rows, row_length) -> None:
+    """``seq_idx`` starts a document exactly where ``cu`` does, as an asynchronous assert on ``cu``'s device."""
+    wanted = document_starts(seq_idx_from_cu_seqlens(cu, rows * row_length).view(rows, row_length))
+    SEQ_IDX_AGREES.assert_async((document_starts(seq_idx.to(cu.device)) == wanted).all())
+
+
+def unmarked_packing_on_host(position_ids: torch.Tensor) -> BoundaryError | None:
+    """The refusal for position ids that restart inside a row of a batch without boundaries, or None."""
+    restarts = document_starts(position_ids.to("cpu"), step=1)
+    restarts[:, 0] = False  # a row start is no restart
+    if not restarts.any():
+        return None
+    row, column = restarts.nonzero()[0].tolist()
+    return UNMARKED_PACKING.refuse(f"a restart at row {row}, token {column} and no boundary kwargs")
+
+
+def assert_no_unmarked_packing_in_graph(position_ids: torch.Tensor) -> None:
+    restarts = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    UNMARKED_PACKING.assert_async(~restarts.any())
+
+
+def has_boundaries(kwargs: Mapping) -> bool:
+    """Whether a batch (or a forward's kwargs) carries any boundary kwarg: a static fact of the call."""
+    return any(kwargs.get(key) is not None for key in BOUNDARY_KEYS)
