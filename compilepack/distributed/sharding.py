@@ -1,0 +1,156 @@
+"""``shard_batch``: the collator's packed batch -> this rank's slice of it, for context parallelism.
+
+Every rank of a context-parallel group receives the same global batch (the same data-loader seed) and keeps:
+
+- its contiguous ``T / W`` slice of every row of the per-token tensors: ``input_ids``, ``position_ids`` (global:
+  positions inside each document, sliced, never restarted at the slice) and the labels, *shifted before slicing*
+  (``shift_labels``: the target of a rank's last token is the first token of the next rank's slice);
+- the global boundaries, unsliced: ``cu_seq_lens_q/k`` and ``max_length_q/k`` over the whole rows, ``seq_idx
+  [R, T]``: host data, so no collective is ever spent on them;
+- ``num_items_in_batch``: the target count of the whole batch, so that each rank's loss is its tokens' share and
+  the ranks' losses add up to the one-process loss (token-weighted mean);
+- ``context_parallel_shard``: the :class:`~compilepack.distributed.ulysses.ContextParallel` it was sharded for, which
+  the patched model checks against its own (a batch not sharded, or sharded for another group, is refused).
+
+Rows whose length does not divide by W get a padding document at their end (``pad_token_id``, labels -100), which
+attends only to itself and adds nothing to the loss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+from ..boundaries import Boundaries
+from ..validation import IGNORE_INDEX, validate
+from .ulysses import SHARD_KEY, ContextParallel, ContextParallelError
+_PER_TOKEN_KEYS = ("input_ids", "position_ids", "labels")
+
+
+def shard_batch(batch: dict, group_or_mesh, *, pad_token_id: int = 0, verify: bool = True) -> dict:
+    """This rank's part of a packed batch, for a model patched with ``context_parallel=group_or_mesh``.
+
+    Example::
+
+        cp_group = dist.new_group([0, 1])                      # or mesh["cp"]
+        model = compilepack.patch(model, context_parallel=cp_group)
+        batch = collate(features)                              # the same global batch on every rank of the group
+        out = model(**compilepack.distributed.shard_batch(batch, cp_group))
+        out.loss.backward()                                    # this rank's share of the one-process loss
+        compilepack.distributed.all_reduce_gradients(model, cp_group)   # or FSDP2/DDP, see the docs
+
+    Args:
+        batch: a packed batch with boundary kwargs (``DataCollatorWithFlattening(return_flash_attn_kwargs=True,
+            return_seq_idx=True)`` or ``compilepack.PackedCollator``), ``[R, T]`` rows, on the host; ``labels``
+            optional (without them no loss is computed).
+        group_or_mesh: the context-parallel process group, or a 1-D DeviceMesh.
+        pad_token_id: token of the padding document added when ``T`` does not divide by the group size.
+        verify: check (one small all-gather of a fingerprint) that every rank of the group holds the same global
+            batch; ranks fed different batches would silently mix them.
+
+    Returns:
+        A new dict: ``input_ids``, ``position_ids``, ``labels`` and ``shift_labels`` ``[R, T' / W]`` (``T'`` the
+        padded row length; ``labels`` holds the shifted labels too, so that transformers computes a loss), the
+        global ``cu_seq_lens_q/k``, ``max_length_q/k``, ``seq_idx [R, T']``, ``num_items_in_batch`` (a 0-dim
+        tensor) and ``context_parallel_shard``.
+
+    Raises:
+        BoundaryError: the batch is not a valid packed batch (see ``compilepack.validate``).
+        ContextParallelError: the batch has no boundaries or multimodal position ids, or (``verify``) the ranks
+            hold different batches.
+    """
+    cp = ContextParallel.of(group_or_mesh)
+    if batch.get("input_ids") is None:
+        raise ContextParallelError("shard_batch needs 'input_ids' (inputs_embeds batches are not supported).")
+    boundaries = validate(batch)
+    if boundaries is None:
+        raise ContextParallelError(
+            "shard_batch needs a packed batch with boundary kwargs (cu_seq_lens_q, seq_idx, ...): collate with "
+            "DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True) or "
+            "compilepack.PackedCollator."
+        )
+    if batch.get("position_ids") is not None and batch["position_ids"].dim() != 2:
+        raise ContextParallelError(
+            f"shard_batch: position_ids of shape {tuple(batch['position_ids'].shape)} (multimodal RoPE) are not "
+            "supported under context parallelism; pass [rows, T] position ids."
+        )
+    if verify:
+        _verify_same_batch(batch, cp)
+    tokens, boundaries = _padded(batch, boundaries, cp.size, pad_token_id)
+    local = tokens["input_ids"].shape[1] // cp.size
+    start = cp.rank * local
+    sharded = {key: value[:, start : start + local] for key, value in tokens.items()}
+    if "labels" in sharded:
+        sharded["shift_labels"] = sharded["labels"]
+        sharded["num_items_in_batch"] = (tokens["labels"] != IGNORE_INDEX).sum()
+    sharded.update(
+        cu_seq_lens_q=boundaries.cu_seqlens, cu_seq_lens_k=boundaries.cu_seqlens,
+        max_length_q=boundaries.max_seqlen, max_length_k=boundaries.max_seqlen, seq_idx=boundaries.seq_idx,
+    )
+    sharded[SHARD_KEY] = cp
+    return sharded
+
+
+def _padded(batch: dict, boundaries: Boundaries, size: int, pad_token_id: int) -> tuple[dict, Boundaries]:
+    """The per-token tensors (labels already shifted) and boundaries of the batch with every row padded to a
+    multiple of ``size`` by a padding document at its end."""
+    rows, length = batch["input_ids"].shape
+    padding = -length % size
+    if padding:
+        boundaries = _with_padding_documents(boundaries, rows, length, padding)
+    tokens = {
+        "input_ids": _pad(batch["input_ids"], padding, pad_token_id),
+        "position_ids": boundaries.position_ids if padding or batch.get("position_ids") is None else batch["position_ids"],
+    }
+    if batch.get("labels") is not None:
+        tokens["labels"] = _pad(_shifted(batch["labels"]), padding, IGNORE_INDEX)
+    return tokens, boundaries
+
+
+def _with_padding_documents(boundaries: Boundaries, rows: int, length: int, padding: int) -> Boundaries:
+    """Boundaries with one document of ``padding`` tokens appended to every row (documents never cross rows)."""
+    cu = boundaries.cu_seqlens.tolist()
+    per_row = [[] for _ in range(rows)]
+    for start, end in zip(cu[:-1], cu[1:]):
+        per_row[min(start // length, rows - 1)].append(end - start)  # empty documents at the end: the last row
+    lengths = [n for row in per_row for n in (*row, padding)]
+    padded = Boundaries.from_lengths(lengths, rows=rows, max_seqlen=max(boundaries.max_seqlen, padding))
+    # real documents keep the positions the batch gave them (position_ids_start may be nonzero)
+    positions = padded.position_ids.clone()
+    positions[:, :length] = boundaries.position_ids
+    return padded._replace(position_ids=positions)
+
+
+def _shifted(labels: torch.Tensor) -> torch.Tensor:
+    """transformers' causal shift over the whole row (token t predicts label t+1; the last predicts nothing),
+    done before slicing so a rank's last token keeps its target on the next rank."""
+    return torch.nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def _pad(tensor: torch.Tensor, padding: int, value: int) -> torch.Tensor:
+    return torch.nn.functional.pad(tensor, (0, padding), value=value) if padding else tensor
+
+
+def _verify_same_batch(batch: dict, cp: ContextParallel) -> None:
+    fingerprint = _fingerprint(batch)
+    everyone = [None] * cp.size
+    dist.all_gather_object(everyone, fingerprint, group=cp.group)
+    different = [rank for rank, other in enumerate(everyone) if other != fingerprint]
+    if different:
+        raise ContextParallelError(
+            f"shard_batch: rank {cp.rank} of the context-parallel group holds a different global batch than "
+            f"rank(s) {different}; every rank of a context-parallel group must collate the same batch (same sampler "
+            "seed and order; shard data across data-parallel groups only)."
+        )
+
+
+def _fingerprint(batch: dict) -> str:
+    digest = hashlib.sha1()
+    for key in ("input_ids", "cu_seq_lens_q", "labels"):
+        value = batch.get(key)
+        if value is not None:
+            digest.update(key.encode())
+            digest.update(value.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
