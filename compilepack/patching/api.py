@@ -27,7 +27,8 @@ class PatchedForward:
     also records how it was made (family, backends). That is what lets it survive pickling: a bound method pickles
     by name, as ``getattr(module, "forward")``, and so comes back as the class's stock forward; this one pickles
     as "compilepack's forward of this family for this module" and is rebuilt from the registry when loaded
-    (pickle, ``torch.save``/``torch.load``, ``copy.deepcopy``, multiprocessing, Ray).
+    (pickle, ``torch.save``/``torch.load``, ``copy.deepcopy``, multiprocessing: any pickler that honours
+    ``__reduce__``).
     """
 
     __slots__ = ("function", "module", "family", "backends")
