@@ -81,7 +81,8 @@ def shard_batch(batch: dict, group_or_mesh, *, pad_token_id: int = 0, verify: bo
     tokens, boundaries = _padded(batch, boundaries, cp.size, pad_token_id)
     local = tokens["input_ids"].shape[1] // cp.size
     start = cp.rank * local
-    sharded = {key: value[:, start : start + local] for key, value in tokens.items()}
+    # contiguous: transformers views them (``shift_labels.view(-1)``), and a column slice of several rows is not
+    sharded = {key: value[:, start : start + local].contiguous() for key, value in tokens.items()}
     if "labels" in sharded:
         sharded["shift_labels"] = sharded["labels"]
         sharded["num_items_in_batch"] = (tokens["labels"] != IGNORE_INDEX).sum()
