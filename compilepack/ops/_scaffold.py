@@ -97,43 +97,17 @@ def define_op(
             it refuses run the reference.
         saves_output: whether the backward needs the forward's output (then saved too).
     """
-    parameters = list(inspect.signature(signature).parameters.values())
-    if parameters[-1].name != "backend":
-        raise TypeError(f"{name}: the signature's last parameter must be 'backend: str'.")
+    parameters = _op_parameters(name, signature, differentiable)
     names = [p.name for p in parameters]
-    unknown = set(differentiable) - set(names)
-    if unknown:
-        raise TypeError(f"{name}: differentiable inputs {sorted(unknown)} are not in the signature.")
-    kernels = dict(kernels or {})
-    grad_positions = [names.index(n) for n in differentiable]
+    grad_positions = tuple(names.index(n) for n in differentiable)
+    paths = _Paths(name, reference, dict(kernels or {}), kernel_applies, grad_positions)
 
-    def path_of(*inputs) -> Path:
-        backend = inputs[-1]
-        _check_backend(name, backend)
-        kernel = kernels.get(backend)
-        if kernel is None or not backends.use_kernel(inputs[0], backend):
-            return reference
-        if kernel_applies is not None and not kernel_applies(*inputs[:-1]):
-            return reference
-        return kernel
+    # 1. the forward op, ``(*inputs) -> (out, saved)``, and its fake
+    forward_op = _custom_op(name, paths.forward, parameters, tuple[Tensor, list[Tensor]])
+    forward_op.register_fake(paths.forward_fake)
 
-    def forward_impl(*inputs):
-        with _autocast_off(inputs[0]):
-            return path_of(*inputs).forward(*inputs[:-1])
-
-    def forward_fake(*inputs):
-        return path_of(*inputs).fake(*inputs[:-1])
-
-    def backward_impl(grad_out, out, saved, needs_grad, *inputs):
-        with _autocast_off(inputs[0]):
-            grads = path_of(*inputs).backward(grad_out, out, saved, needs_grad, *inputs[:-1])
-        return [_as_gradient(grad, inputs[i]) for grad, i in zip(grads, grad_positions)]
-
-    def backward_fake(grad_out, out, saved, needs_grad, *inputs):
-        return [_gradient_like(inputs[i]) for i in grad_positions]
-
-    forward_op = _custom_op(name, forward_impl, parameters, tuple[Tensor, list[Tensor]])
-    forward_op.register_fake(forward_fake)
+    # 2. the backward op, ``(grad_out, out?, saved, needs_grad, *inputs) -> grads``, and its fake: the compiler sees
+    #    the backward as one opaque call too
     backward_parameters = [
         _parameter("grad_out", Tensor),
         _parameter("out", Tensor | None),
@@ -141,47 +115,118 @@ def define_op(
         _parameter("needs_grad", list[bool]),
         *parameters,
     ]
-    backward_op = _custom_op(f"{name}_backward", backward_impl, backward_parameters, list[Tensor])
-    backward_op.register_fake(backward_fake)
+    backward_op = _custom_op(f"{name}_backward", paths.backward, backward_parameters, list[Tensor])
+    backward_op.register_fake(paths.backward_fake)
 
-    def setup_context(ctx, inputs, output):
+    # 3. autograd: the forward op saves its inputs, ``saved`` (and ``out``); its gradient is the backward op
+    autograd = _Autograd(backward_op, len(parameters), grad_positions, saves_output)
+    forward_op.register_autograd(autograd.backward, setup_context=autograd.setup_context)
+    return Op(name, forward_op, backward_op, paths.path_of)
+
+
+def _op_parameters(name: str, signature: Callable, differentiable: tuple[str, ...]) -> list[inspect.Parameter]:
+    parameters = list(inspect.signature(signature).parameters.values())
+    if parameters[-1].name != "backend":
+        raise TypeError(f"{name}: the signature's last parameter must be 'backend: str'.")
+    unknown = set(differentiable) - {p.name for p in parameters}
+    if unknown:
+        raise TypeError(f"{name}: differentiable inputs {sorted(unknown)} are not in the signature.")
+    return parameters
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Paths:
+    """The op's paths, and the one choice among them that the real op, its fake and its backward all make.
+
+    Every method takes the op's inputs with the ``backend`` string last, as the registered ops receive them."""
+
+    name: str
+    reference: Path
+    kernels: Mapping[str, Path]
+    kernel_applies: Callable[..., bool] | None
+    grad_positions: tuple[int, ...]  # where the differentiable inputs are among the inputs
+
+    def path_of(self, *inputs) -> Path:
+        backend = inputs[-1]
+        _check_backend(self.name, backend)
+        kernel = self.kernels.get(backend)
+        if kernel is None or not backends.use_kernel(inputs[0], backend):
+            return self.reference
+        if self.kernel_applies is not None and not self.kernel_applies(*inputs[:-1]):
+            return self.reference
+        return kernel
+
+    def forward(self, *inputs):
+        with _autocast_off(inputs[0]):
+            return self.path_of(*inputs).forward(*inputs[:-1])
+
+    def forward_fake(self, *inputs):
+        return self.path_of(*inputs).fake(*inputs[:-1])
+
+    def backward(self, grad_out, out, saved, needs_grad, *inputs):
+        with _autocast_off(inputs[0]):
+            grads = self.path_of(*inputs).backward(grad_out, out, saved, needs_grad, *inputs[:-1])
+        return [_as_gradient(grad, inputs[i]) for grad, i in zip(grads, self.grad_positions)]
+
+    def backward_fake(self, grad_out, out, saved, needs_grad, *inputs):
+        return [_gradient_like(inputs[i]) for i in self.grad_positions]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Autograd:
+    """``register_autograd``'s two functions for one op: save the inputs, ``saved`` and optionally ``out``; then
+    call the backward op with them and hand each gradient to its input."""
+
+    backward_op: Callable
+    input_count: int
+    grad_positions: tuple[int, ...]
+    saves_output: bool
+
+    def setup_context(self, ctx, inputs, output):
         out, saved = output
         ctx.mark_non_differentiable(*saved)
         ctx.set_materialize_grads(False)  # no zero-filled gradients for ``saved`` (only ``out`` is used)
+        # save_for_backward takes tensors (or None) only: the other inputs (ints, bools, the backend) stay on ctx
         tensor_positions = [i for i, x in enumerate(inputs) if isinstance(x, Tensor) or x is None]
         ctx.others = {i: x for i, x in enumerate(inputs) if i not in tensor_positions}
         ctx.tensor_positions = tensor_positions
-        ctx.save_for_backward(*(inputs[i] for i in tensor_positions), out if saves_output else None, *saved)
+        ctx.save_for_backward(*(inputs[i] for i in tensor_positions), out if self.saves_output else None, *saved)
 
-    def backward(ctx, grad_out, _grad_saved):
+    def backward(self, ctx, grad_out, _grad_saved):
         if grad_out is None:  # the output does not reach the loss
-            return (None,) * len(parameters)
+            return (None,) * self.input_count
+        inputs, out, saved = self._saved_inputs(ctx)
+        needs_grad = [bool(ctx.needs_input_grad[i]) and inputs[i] is not None for i in self.grad_positions]
+        grads = self.backward_op(grad_out, out, saved, needs_grad, *inputs)
+        result = [None] * self.input_count
+        for i, grad, needed in zip(self.grad_positions, grads, needs_grad):
+            result[i] = grad if needed else None
+        return tuple(result)
+
+    def _saved_inputs(self, ctx) -> tuple[list, Tensor | None, list[Tensor]]:
+        """The op's inputs (tensors from ``saved_tensors``, the rest from ``ctx.others``), ``out`` and ``saved``."""
         tensors = ctx.saved_tensors
         count = len(ctx.tensor_positions)
-        inputs = [None] * len(parameters)
+        inputs = [None] * self.input_count
         for i, tensor in zip(ctx.tensor_positions, tensors[:count]):
             inputs[i] = tensor
         for i, value in ctx.others.items():
             inputs[i] = value
-        out, saved = tensors[count], list(tensors[count + 1 :])
-        needs_grad = [bool(ctx.needs_input_grad[i]) and inputs[i] is not None for i in grad_positions]
-        grads = backward_op(grad_out, out, saved, needs_grad, *inputs)
-        result = [None] * len(parameters)
-        for i, grad, needed in zip(grad_positions, grads, needs_grad):
-            result[i] = grad if needed else None
-        return tuple(result)
-
-    forward_op.register_autograd(backward, setup_context=setup_context)
-    return Op(name, forward_op, backward_op, path_of)
+        return inputs, tensors[count], list(tensors[count + 1 :])
 
 
 def _custom_op(name: str, impl: Callable, parameters: list[inspect.Parameter], returns) -> Callable:
-    # custom_op infers the schema from the signature; the generic impl takes the inputs positionally
-    impl.__signature__ = inspect.Signature(
+    """``torch.library.custom_op(name)`` running ``impl(*inputs)``, with the schema ``parameters -> returns``."""
+
+    def positional(*inputs):
+        return impl(*inputs)
+
+    # custom_op infers the schema from the function's signature: give it the op's, which ``impl`` does not spell
+    positional.__signature__ = inspect.Signature(
         [p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD, default=inspect.Parameter.empty) for p in parameters],
         return_annotation=returns,
     )
-    return torch.library.custom_op(name, impl, mutates_args=())
+    return torch.library.custom_op(name, positional, mutates_args=())
 
 
 def _parameter(name: str, annotation) -> inspect.Parameter:
