@@ -152,7 +152,7 @@ def packed_batches(vocab_size: int, *, chunk: int = DEFAULT_CHUNK, seed: int = 0
         packed_batch(docs([70, 1, 23, 5, 1, 40]), name="mixed"),
         packed_batch(docs([chunk - 1, 2, chunk, 1, chunk + 1]), name="chunk_edges"),
         packed_batch(docs([chunk + 9]), name="single"),
-        packed_batch(docs([rng.randint(1, 6) for _ in range(16)]), name="many_short"),
+        packed_batch(docs([rng.randint(1, 6) for _ in range(12)]), name="many_short"),
         packed_batch(docs([9, chunk - 2, 1, row - chunk - 8, row - 4, 4]), rows=2, name="two_rows"),
     ]
 
