@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"long-rows-cpu-{datetime.date.today().isoformat()}"
+    allocator = "" if args.allocator == "keep" else f"{args.allocator}-"
+    stem = out / f"long-rows-cpu-{allocator}{datetime.date.today().isoformat()}"
     stem.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     stem.with_suffix(".md").write_text(markdown(report))
     if can_plot:
@@ -67,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=2, help="timed rounds per mode and point (default: 2)")
     parser.add_argument("--widths", choices=("bench", "real"), default="bench", help="model widths (default: bench)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per worker (default: torch's)")
+    parser.add_argument("--allocator", choices=("keep", "system"), default="keep",
+                        help="keep: freed memory stays in each worker for reuse (as on a GPU); system: glibc's "
+                             "defaults, which page-fault every block over 32 MB at every step (default: keep)")
     parser.add_argument("--step-timeout", type=float, default=900.0, help="seconds per timed round at most")
     parser.add_argument("--out", default="benchmarks/results", help="output directory (default: benchmarks/results)")
     parser.add_argument("--no-plot", action="store_true", help="write no PNG")
@@ -116,7 +120,8 @@ def _compare(args, family: str, tokens: int, documents: str, modes: tuple[str, .
     workload = Workload(tokens_per_step=tokens, steps=args.steps)
     context = ProcessContext(preload=[family_named(family).modeling])
     workers = {mode: context.worker(ModeSpec(family=family, mode=mode, workload=workload, threads=args.threads,
-                                             widths=args.widths, step=tuple(tuple(doc) for doc in step)))
+                                             widths=args.widths, step=tuple(tuple(doc) for doc in step),
+                                             allocator=args.allocator))
                for mode in modes}
     results = run_family(workers, args.steps, warmup_timeout_s=args.step_timeout, step_timeout_s=args.step_timeout)
     figures = {r["mode"]: {k: r.get(k) for k in ("tokens_per_s", "tokens_per_s_min", "tokens_per_s_max",
@@ -151,7 +156,7 @@ def markdown(report: dict) -> str:
     lines = [f"# compilepack long rows: cpu, {report['date']}", "",
              (f"torch {report['torch']}, transformers {report['transformers']}; {settings['widths']} widths; "
               f"{settings['steps']} timed rounds per mode and point, taken in turn across the point's two warm "
-              f"workers; threads {settings['threads'] or 'torch default'}; run wall time {report['wall_s']:.0f} s; "
+              f"workers; allocator `{settings['allocator']}`; threads {settings['threads'] or 'torch default'}; run wall time {report['wall_s']:.0f} s; "
               f"1-minute load average {report['load_avg']['start']} at the start, {report['load_avg']['end']} at "
               "the end, per point in the JSON."), "",
              ("`equal`: documents of "

@@ -57,6 +57,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--inductor-cache", choices=("fresh", "shared"), default="fresh",
                         help="fresh: every mode compiles cold, from an empty inductor cache (default); "
                              "shared: use torch's usual on-disk cache (faster reruns, warm compile times)")
+    parser.add_argument("--allocator", choices=("keep", "system"), default="keep",
+                        help="keep: each worker's allocator keeps freed memory for reuse, as the CUDA caching "
+                             "allocator does (glibc otherwise page-faults every block over 32 MB again at each "
+                             "step); system: the C library's defaults (default: keep)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the document mix and the weights")
     parser.add_argument("--out", default="benchmarks/results", help="output directory (default: benchmarks/results)")
@@ -82,6 +86,7 @@ def run(args) -> int:
     can_plot = dependencies.check(plot=not args.no_plot)  # before any work: a missing package stops it here
     families = resolve_families(args.model, args.widths)
     modes, mode_set, left_out = resolve_modes(args.modes, args.full, args.widths)
+    args.mode_set = mode_set
     workload = Workload(tokens_per_step=args.tokens_per_step, steps=args.steps, warmup_steps=args.warmup_steps,
                         seed=args.seed)
     out = pathlib.Path(args.out)
@@ -203,7 +208,8 @@ def _spec(args, family, mode, workload, scratch: pathlib.Path, log_dir: pathlib.
         family=family, mode=mode, workload=workload, device=args.device, compile_backend=args.compile_backend,
         threads=args.threads, log_path=str(log_dir / f"{family}-{mode}.log"),
         inductor_cache_dir=_cache_dir(args.inductor_cache, scratch, family, mode), profile=args.profile,
-        widths=args.widths, time_split=args.time_split,
+        widths=args.widths, time_split=args.time_split, skip_known_failures=args.mode_set == "default",
+        allocator=args.allocator,
     )
 
 
@@ -313,6 +319,7 @@ def _report(args, results: list[dict], workload, wall_s: float, modes, mode_set,
             "step_timeout_s": args.step_timeout if args.isolation == "process" else None,
             "inductor_cache": "fresh per mode (cold compiles)" if args.inductor_cache == "fresh" else "shared",
             "isolation": args.isolation,
+            "allocator": args.allocator,
         },
         "workload": _workload_summary(workload),
         "results": results,

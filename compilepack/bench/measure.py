@@ -139,6 +139,26 @@ def max_logit_diff(logits: torch.Tensor, spans, alone: list[torch.Tensor]) -> fl
     return max((logits[row, s:e] - ref).abs().max().item() for (row, s, e), ref in zip(spans, alone))
 
 
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+
+
+def keep_freed_memory() -> bool:
+    """Make this process's allocator keep freed memory for reuse, as PyTorch's CUDA caching allocator does on a GPU:
+    glibc serves every block above its mmap threshold (32 MB at most) with a fresh ``mmap`` and unmaps it when
+    freed, so each training step page-faults (the kernel zero-fills) every such tensor again. On a 64k-token row of
+    the Qwen3.5 bench model that is 4.3 M page faults (17 GB zero-filled) and ~40% of the step's CPU time, in
+    stock and patched models alike (measured 2026-12-01). With mmap off and trimming of the heap's top above 2 GB
+    only, freed blocks stay in the heap and are reused. Returns False where there is no glibc (nothing changed)."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return libc.mallopt(_M_MMAP_MAX, 0) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) == 1
+
+
 def load_average() -> float | None:
     """The machine's 1-minute load average (None where the OS has none): other processes slow every figure."""
     import os

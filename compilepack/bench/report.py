@@ -76,7 +76,8 @@ def markdown(report: dict) -> str:
          f"{settings['config']} configs; {settings['tokens_per_step']} real tokens per step at most; "
          f"{settings['warmup_steps']} warm-up step + {settings['steps']} timed rounds per mode, round-robin across "
          f"a family's warm workers (round r starts at mode r; warm-up {settings.get('warmup', 'concurrent')}); "
-         f"inductor cache: {settings['inductor_cache']}; run wall time {report['wall_s']:.0f} s; "
+         f"inductor cache: {settings['inductor_cache']}; allocator `{settings.get('allocator', 'system')}`; "
+         f"{settings.get('widths', 'bench')} widths; run wall time {report['wall_s']:.0f} s; "
          f"1-minute load average during the timed steps {_load_range(report['results'])}."),
         "",
         _modes_line(settings),
@@ -86,9 +87,9 @@ def markdown(report: dict) -> str:
         ("Figures are the median over the timed rounds [min-max]; ratios are paired per round (a mode's tokens/s "
          "over the other's in the same round)."),
         "",
-        ("| family | mode | tokens/s | x padded eager | x padded compiled | x grouped | compile s | graphs / breaks "
-         "| compiles | peak MB | max logit diff | padding | error / note |"),
-        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|",
+        ("| family | mode | tokens/s | x padded eager | x padded compiled | x grouped | x grouped compiled | compile s "
+         "| graphs / breaks | compiles | peak MB | max logit diff | padding | error / note |"),
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|",
     ]
     lines += [_markdown_row(r) for r in report["results"]]
     lines += ["", "## Bars", "",
@@ -262,7 +263,7 @@ def print_console(report: dict) -> None:
     from rich.table import Table
 
     table = Table(title=f"compilepack bench ({report['device']}, {report['date']})", show_lines=False)
-    for column in ("family", "mode", "tok/s", "x pad eager", "x pad comp", "x grouped", "compile s",
+    for column in ("family", "mode", "tok/s", "x pad eager", "x pad comp", "x grouped", "x grp comp", "compile s",
                    "graphs/brk", "compiles", "peak MB", "max diff", "padding"):
         table.add_column(column, no_wrap=True)
     table.add_column("error / note", overflow="fold", min_width=24)
