@@ -265,7 +265,8 @@ def verdict(results: list[testing.CheckResult], unsupported: str | None, args) -
         return f"VERDICT: not supported by compilepack; {what} {leak} with position_ids-only packing."
     if failed:
         return f"VERDICT: FAIL ({', '.join(failed)}): do not train packed on {what} as it is."
-    return f"VERDICT: PASS: packing is exact and compile-clean for {what} ({len(results)} checks)."
+    checks = f"{len(results)} check" + ("s" if len(results) != 1 else "")
+    return f"VERDICT: PASS: packing is exact and compile-clean for {what} ({checks})."
 
 
 def _write_json(args, described, results, passed, unsupported, seconds) -> None:

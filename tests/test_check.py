@@ -123,10 +123,10 @@ def _drop_boundaries(model):
     def dropped(**batch):
         if batch.get("cu_seq_lens_q") is None:  # an unpacked batch (the reference): nothing to drop
             return forward(**batch)
-        total = batch["position_ids"].numel()
-        batch.update(cu_seq_lens_q=torch.tensor([0, total], dtype=torch.int32), max_length_q=total,
-                     seq_idx=torch.zeros_like(batch["position_ids"], dtype=torch.int32))
-        batch.update(cu_seq_lens_k=batch["cu_seq_lens_q"], max_length_k=total)
+        rows, length = batch["position_ids"].shape
+        one_per_row = torch.arange(0, rows * length + 1, length, dtype=torch.int32)
+        batch.update(cu_seq_lens_q=one_per_row, cu_seq_lens_k=one_per_row, max_length_q=length, max_length_k=length,
+                     seq_idx=torch.arange(rows, dtype=torch.int32)[:, None].expand(rows, length).contiguous())
         return forward(**batch)
 
     model.forward = dropped
