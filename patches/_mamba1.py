@@ -11,7 +11,8 @@ def attention_free_family(name: str, prefix: str, modeling: str) -> Family:
     ``<prefix>Mixer`` that drop ``**kwargs`` at every level on the way to the scan, so every one of those calls is
     threaded (the CausalLM wrapper to the backbone, the backbone to each block, the block to its mixer, the mixer
     to ``mamba_selective_scan`` / ``mamba_inner_fn``). Packed batches always take the mixer's unfused path: no fused
-    Mamba1 kernel resets at document starts."""
+    Mamba1 kernel resets at document starts. The CausalLM wrapper is also an entry: it drops position_ids, so a
+    position_ids-only packed row is refused there."""
     return Family(
         name, modeling, decoder=f"{prefix}Model",
         layers={f"{prefix}Mixer": MAMBA1_FUSED_MIXER},
@@ -21,4 +22,5 @@ def attention_free_family(name: str, prefix: str, modeling: str) -> Family:
             f"{prefix}Block": ("self.mixer",),
             f"{prefix}Mixer": ("mamba_inner_fn", "mamba_selective_scan"),
         },
+        entries=(f"{prefix}ForCausalLM",),
     )

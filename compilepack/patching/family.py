@@ -44,9 +44,10 @@ class Family:
         layers: layer class name -> the :class:`~compilepack.patching.replacements.Replacement` s its forward
             needs (``{"LlamaAttention": (ATTENTION,)}``).
         model_types: every ``config.model_type`` this family serves (defaults to ``(name,)``).
-        entries: classes above the decoder that receive the batch first (multimodal wrappers); their forward only
-            prepares the packed kwargs, so e.g. position_ids restart per document before the wrapper would compute
-            its own.
+        entries: classes above the decoder that receive the batch first (multimodal wrappers, CausalLM wrappers
+            that drop ``position_ids``); their forward checks and prepares the packed kwargs, so e.g. position_ids
+            restart per document before the wrapper would compute its own, and refuses a position_ids-only packed
+            row before the wrapper drops its positions.
         boundary_calls: class name -> calls in its forward, as written (``"self.backbone"``, ``"self.mixer"``,
             ``"mamba_selective_scan"``), that must also receive the batch's boundary kwargs (taken from the
             forward's own ``**kwargs``): for stacks that drop ``**kwargs`` between the model and a mixer or on the
@@ -193,7 +194,8 @@ def _patched_forwards(family: Family, backends: Backends, classes: tuple) -> dic
     )
     for class_name in family.entries:
         cls = by_name[class_name]
-        forwards[cls] = packed_decoder_forward(cls.forward, cls.forward, _parameter_names(cls.forward))
+        own = forwards.get(cls, cls.forward)  # an entry may also thread boundaries into its calls
+        forwards[cls] = packed_decoder_forward(own, cls.forward, _parameter_names(cls.forward))
     return forwards
 
 
