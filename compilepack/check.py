@@ -101,7 +101,10 @@ def load_model(args) -> tuple[torch.nn.Module, str]:
     try:
         model = _from_pretrained(source, config, args) if args.weights else builder(config)
     except (ValueError, OSError, ImportError) as error:
-        raise CheckSetupError(f"cannot build {args.model}: {type(error).__name__}: {testing._first_line(error)}") from error
+        hint = "" if not args.weights or args.allow_pickle else (
+            " (--weights loads safetensors only; --allow-pickle also loads pickled .bin weights, which can run code "
+            "when loaded)")
+        raise CheckSetupError(f"cannot build {args.model}: {type(error).__name__}: {testing._first_line(error)}{hint}") from error
     model = model.float().eval()
     text = config.get_text_config()
     kinds = getattr(text, "layer_types", None) or getattr(text, "layers_block_type", None)

@@ -198,6 +198,20 @@ def test_unsupported_model_says_so_and_shows_the_stock_leak(tmp_path, capsys):
     assert "packed == alone  FAIL" in out and "VERDICT: not supported" in out
 
 
+def test_weights_load_from_safetensors_only_unless_pickle_is_allowed(tmp_path, capsys):
+    torch.manual_seed(0)
+    model = build_tiny(family_named("llama"))
+    model.save_pretrained(tmp_path / "safe")
+    (tmp_path / "pickled").mkdir()
+    model.config.save_pretrained(tmp_path / "pickled")
+    torch.save(model.state_dict(), tmp_path / "pickled" / "pytorch_model.bin")
+    assert main(["check", str(tmp_path / "safe"), "--weights", "--checks", "refusal"]) == 0
+    assert "checkpoint weights" in capsys.readouterr().out
+    assert main(["check", str(tmp_path / "pickled"), "--weights", "--checks", "refusal"]) == 2
+    assert "--allow-pickle also loads pickled .bin weights" in capsys.readouterr().err
+    assert main(["check", str(tmp_path / "pickled"), "--weights", "--allow-pickle", "--checks", "refusal"]) == 0
+
+
 def test_custom_code_is_refused_without_trust_remote_code(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps(
         {"model_type": "my_model", "auto_map": {"AutoConfig": "configuration_my_model.MyConfig"}}))
