@@ -208,6 +208,47 @@ RELEASE_RESULTS = {
     "5.24.0": ("21", "the whole suite (CI)", "every test passes"),
 }
 
+# Measured with tests/patches/test_plain_batches.py's row (2026-12-01, transformers 5.24.0): stock on a
+# position_ids-only packed row, and what the patched model does with it.
+POSITIONS_ONLY = """## Packed rows without boundaries
+
+A packed row whose documents are marked only by restarting `position_ids` (no boundary kwargs) is never inferred
+by compilepack. Where stock transformers keeps those documents apart by itself, the patched model runs stock's own
+code on it, exactly as stock; where stock would mix them, the patched model refuses the batch (`BoundaryError`
+eager; a device assert naming the rule when compiled). Stock's max |logit| error against each document alone, on
+such a row (tiny first variant, fp32, documents [9, 1, 14, 6]; `tests/patches/test_plain_batches.py` checks the rule
+for every family):
+
+| family | stock, `use_cache=False` | stock, `use_cache=True` (the configs' default) | patched |
+| --- | --: | --: | --- |
+| `bamba` | 4.5e-01 | 5.9e-01 | refused |
+| `falcon_h1` | 1.0e-03 | 4.9e-01 | refused |
+| `falcon_mamba` | 2.3e+00 | 2.3e+00 | refused |
+| `granitemoehybrid` | 5.3e-01 | 5.3e-01 | refused |
+| `jamba` | 4.1e-03 | 5.3e-01 | refused |
+| `kimi_linear` | 2.1e-01 | 4.0e-01 | refused |
+| `lfm2` | 7.6e-04 | 6.2e-01 | refused |
+| `lfm2_moe` | 5.7e-04 | 4.9e-01 | refused |
+| `lfm3` | 4.9e-01 | 7.5e-01 | refused |
+| `llama` | 1.8e-07 | 5.8e-01 | stock |
+| `mamba` | 2.2e+00 | 2.2e+00 | refused |
+| `mamba2` | 3.4e+00 | 3.4e+00 | refused |
+| `mistral` | 1.8e-07 | 5.2e-01 | stock |
+| `nemotron_h` | 3.4e-01 | 4.8e-01 | refused |
+| `olmo_hybrid` | 1.0e-01 | 8.0e-01 | refused |
+| `qwen2` | 2.1e-07 | 5.1e-01 | stock |
+| `qwen3` | 2.4e-07 | 6.1e-01 | stock |
+| `qwen3_5` | 5.3e-02 | 3.3e-01 | refused |
+| `qwen3_5_moe` | 4.5e-02 | 3.2e-01 | refused |
+| `qwen3_next` | 6.9e-02 | 3.6e-01 | refused |
+| `zamba2` | 6.8e-01 | 6.8e-01 | refused |
+
+"stock" runs stock's code when the call builds no cache (`use_cache=False`, as HF Trainer sets it) and refuses
+otherwise: with a cache stock skips its packed-row detection and mixes the documents. Batches with the collator's
+boundary kwargs never take this path.
+"""
+
+
 # How each CUDA kernel path is verified (docs/benchmarks.md says how to run each).
 KERNEL_VERIFICATION = """## How the kernel paths are verified
 
@@ -230,7 +271,9 @@ def main() -> None:
     text = table()
     if args.write:
         header = HEADER.format(tf=transformers.__version__, torch=torch.__version__, lengths=LENGTHS)
-        DOCS_PATH.write_text(header + text + "\n\n" + _notes() + "\n" + _releases() + "\n" + KERNEL_VERIFICATION)
+        DOCS_PATH.write_text(
+            header + text + "\n\n" + _notes() + "\n" + POSITIONS_ONLY + "\n" + _releases() + "\n" + KERNEL_VERIFICATION
+        )
     print(text)
 
 
