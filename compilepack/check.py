@@ -16,7 +16,9 @@ model cannot be read or built).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import sys
 import time
 from collections.abc import Callable
@@ -199,7 +201,7 @@ def run_checks(model, wanted: list[str], *, position_ids_only: bool = False, bac
         "refusal": lambda: testing.check_refuses_bad_batches(model),
     }
     results = []
-    with _progress(len(wanted)) as step:
+    with _progress(len(wanted)) as step, _quiet_dynamo():
         for name in wanted:
             step(name)
             started = time.monotonic()
@@ -207,6 +209,18 @@ def run_checks(model, wanted: list[str], *, position_ids_only: bool = False, bac
             result.values["seconds"] = round(time.monotonic() - started, 1)
             results.append(result)
     return results
+
+
+@contextlib.contextmanager
+def _quiet_dynamo():
+    """Dynamo logs every graph break with its stack as a warning; the compile check reports the reasons itself."""
+    logger = logging.getLogger("torch._dynamo")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _attempt(name: str, check: Callable[[], testing.CheckResult]) -> testing.CheckResult:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import re
 import types
 from collections.abc import Iterable, Mapping
 
@@ -108,7 +109,7 @@ def count_compiles(
             count += 1
     compiles = _compiled_graphs() - graphs_before
     # dynamo records the failed guard of every recompile per code object; the step's code is fresh (see _step)
-    reasons = [_first_line(reason) for reason in torch._dynamo.guards.guard_failures.get(step.__code__, [])]
+    reasons = [_without_compile_id(reason) for reason in torch._dynamo.guards.guard_failures.get(step.__code__, [])]
     _maybe_reset(reset)
     return CompileReport(batches=count, compiles=compiles, recompile_reasons=list(dict.fromkeys(reasons)))
 
@@ -153,6 +154,11 @@ def _grads_preserved(model: torch.nn.Module):
     finally:
         for parameter, grad in saved:
             parameter.grad = grad
+
+
+def _without_compile_id(reason: str) -> str:
+    """A guard failure's first line without dynamo's compile id ("28/0: "), so one cause is listed once."""
+    return re.sub(r"^\d+/\d+: ", "", _first_line(reason))
 
 
 def _first_line(reason: str) -> str:

@@ -540,7 +540,9 @@ def check_compiles_once(
     try:
         compiles = count_compiles(model, batches, dynamic=True, fullgraph=clean, backend=backend)
         values["compiles"] = compiles.compiles
-        details += [f"recompile: {reason}" for reason in compiles.recompile_reasons]
+        reasons = compiles.recompile_reasons
+        details += [f"recompile: {reason}" for reason in reasons[:3]]
+        details += [f"... and {len(reasons) - 3} more guard failures"] if len(reasons) > 3 else []
         compiled_once = compiles.compiles == 1
         stream = f"{compiles.compiles} compile(s) over {compiles.batches} batches"
     except Exception as error:  # fullgraph=True refused the model: say why
