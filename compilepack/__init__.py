@@ -5,7 +5,7 @@
     loss = step(**collate(features)).loss                  # HF DataCollatorWithFlattening or PackedCollator
 """
 
-from . import ops
+from . import distributed, ops
 from .backends import Backends
 from .boundaries import Boundaries
 from .collator import PackedCollator
@@ -36,6 +36,7 @@ __all__ = [
     "PackedCollator",
     "checked",
     "count_compiles",
+    "distributed",
     "explain",
     "families",
     "is_patched",

@@ -43,9 +43,16 @@ class Backends:
     conv: str = REFERENCE
     gated_delta: str = REFERENCE
     ssd: str = REFERENCE
+    # compilepack.distributed.ContextParallel when patched with context_parallel=: every sequence mixer then runs
+    # head-parallel between two all-to-alls over its group (None: no context parallelism)
+    context_parallel: object = None
 
     def describe(self) -> str:
-        return ", ".join(f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+        kinds = [f.name for f in dataclasses.fields(self) if f.name != "context_parallel"]
+        text = ", ".join(f"{kind}={getattr(self, kind)}" for kind in kinds)
+        if self.context_parallel is not None:
+            text += f", context_parallel={self.context_parallel.describe()}"
+        return text
 
 
 def is_installed(backend: str) -> bool:

@@ -67,7 +67,9 @@ class PatchState:
     modules: tuple[torch.nn.Module, ...]  # the modules that run compilepack's forward (possibly under a wrapper)
 
 
-def patch(model: torch.nn.Module, *, backend: str | dict | _backends.Backends = "auto") -> torch.nn.Module:
+def patch(
+    model: torch.nn.Module, *, backend: str | dict | _backends.Backends = "auto", context_parallel=None
+) -> torch.nn.Module:
     """Make ``model`` run packed batches through compilepack's ops. Call before ``torch.compile``.
 
     Only this instance changes (its decoder's and mixing layers' ``forward`` are rebound); weights are not
@@ -79,6 +81,9 @@ def patch(model: torch.nn.Module, *, backend: str | dict | _backends.Backends = 
         backend: ``"auto"`` (on CUDA, the best installed kernel library per op), ``"reference"`` (pure torch
             everywhere), or per-op overrides such as ``{"attention": "torch_varlen"}``. On CPU the pure-torch
             references always run.
+        context_parallel: a process group (or 1-D DeviceMesh) to run Ulysses context parallelism over: each rank
+            holds ``1 / W`` of every packed row (``compilepack.distributed.shard_batch``) and every sequence mixer
+            runs head-parallel on the whole rows between two all-to-alls. See docs/context-parallel.md.
 
     Returns:
         ``model`` itself.
@@ -94,6 +99,8 @@ def patch(model: torch.nn.Module, *, backend: str | dict | _backends.Backends = 
         )
     chosen = _backends.resolve(backend)
     family = family_of(model)
+    if context_parallel is not None:
+        chosen = _with_context_parallel(model, family, chosen, context_parallel)
     forwards = family.forwards(chosen)
     targets = [(m, forward) for m in model.modules() if (forward := _forward_for(type(m), forwards)) is not None]
     state = patch_state(model)
@@ -105,6 +112,15 @@ def patch(model: torch.nn.Module, *, backend: str | dict | _backends.Backends = 
     for module, forward in targets:
         module.forward = PatchedForward(forward, module, family.name, chosen)
     return model
+
+
+def _with_context_parallel(model, family, chosen: _backends.Backends, group_or_mesh) -> _backends.Backends:
+    """``chosen`` with the context-parallel group, after checking the model can be split over it."""
+    from ..distributed import ulysses
+
+    cp = ulysses.ContextParallel.of(group_or_mesh)
+    ulysses.check_model(model, family, cp)
+    return dataclasses.replace(chosen, context_parallel=cp)
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from .. import guards
+from ..distributed import ulysses
 from ..boundaries import (
     ATTENTION_MASK,
     CU_SEQLENS_K,
@@ -62,8 +63,10 @@ def prepare_packed_kwargs(kwargs: dict) -> dict:
     tokens = kwargs.get("input_ids")
     if tokens is None:
         tokens = kwargs["inputs_embeds"]
-    guards.check_static(kwargs, tokens)
-    rows, row_length = tokens.shape[0], tokens.shape[1]
+    # a context-parallel shard holds 1/W of every row; its boundaries (cu_seq_lens_q, seq_idx) describe whole rows
+    static_view, shards = ulysses.shard_view(kwargs, tokens)
+    guards.check_static(static_view, tokens)
+    rows, row_length = tokens.shape[0], tokens.shape[1] * shards
     given = kwargs[CU_SEQLENS_Q]
     on_host = given.device.type == "cpu" and not torch.compiler.is_compiling()
     if on_host:

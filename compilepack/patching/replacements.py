@@ -19,7 +19,8 @@ from collections.abc import Callable
 import torch
 
 from ..backends import Backends
-from ..boundaries import CU_SEQLENS_Q, HOST_CU_SEQLENS, MAX_LENGTH_Q
+from ..boundaries import CU_SEQLENS_Q, HOST_CU_SEQLENS, MAX_LENGTH_Q, SEQ_IDX
+from ..distributed import ulysses
 from ..errors import BoundaryError
 from ..ops import (
     causal_conv1d_varlen,
@@ -52,19 +53,25 @@ class PackedAttentionFunctions:
     batches go to ``compilepack::varlen_attention``, everything else to the stock function.
     """
 
-    def __init__(self, stock, backend: str):
+    def __init__(self, stock, backend: str, context_parallel=None):
         self._stock = stock
         self._backend = backend
+        self._context_parallel = context_parallel
 
     def get_interface(self, attn_implementation, default):
         stock_attention = self._stock.get_interface(attn_implementation, default)
-        return functools.partial(packed_attention, stock_attention=stock_attention, backend=self._backend)
+        return functools.partial(
+            packed_attention, stock_attention=stock_attention, backend=self._backend,
+            context_parallel=self._context_parallel,
+        )
 
     def __getitem__(self, attn_implementation):
         return self.get_interface(attn_implementation, None)
 
 
-def packed_attention(module, query, key, value, attention_mask, *, stock_attention, backend, **kwargs):
+def packed_attention(
+    module, query, key, value, attention_mask, *, stock_attention, backend, context_parallel=None, **kwargs
+):
     """transformers attention-interface function: ``[B, H, T, D]`` inputs, returns ``([B, T, H, Dv], None)``.
 
     Only a packed batch (one that carries ``cu_seq_lens_q``: a static fact) runs compilepack's op; every other call
@@ -73,19 +80,22 @@ def packed_attention(module, query, key, value, attention_mask, *, stock_attenti
     if cu_seqlens is None:
         return stock_attention(module, query, key, value, attention_mask, **kwargs)
     _refuse_unsupported_attention(module, kwargs)
+    ulysses.check_batch(kwargs, context_parallel, type(module).__name__)
     rows, heads, row_length, _ = query.shape
     query, key, value = _autocast_dtype(query, key, value)
+    max_seqlen = row_length if kwargs.get(MAX_LENGTH_Q) is None else kwargs[MAX_LENGTH_Q]
+    options = dict(
+        causal=getattr(module, "is_causal", True), scale=kwargs.get("scaling"), window=kwargs.get("sliding_window"),
+        cu_seqlens_cpu=kwargs.get(HOST_CU_SEQLENS), backend=backend,
+    )
+    if context_parallel is not None:  # head-parallel over the whole rows, between two all-to-alls
+        out = ulysses.attention(
+            query, key, value, cu_seqlens, max_seqlen, global_length=kwargs[SEQ_IDX].shape[-1], cp=context_parallel,
+            where=type(module).__name__, **options,
+        )
+        return out, None
     out = varlen_attention(
-        _tokens_first(query),
-        _tokens_first(key),
-        _tokens_first(value),
-        cu_seqlens,
-        row_length if kwargs.get(MAX_LENGTH_Q) is None else kwargs[MAX_LENGTH_Q],
-        causal=getattr(module, "is_causal", True),
-        scale=kwargs.get("scaling"),
-        window=kwargs.get("sliding_window"),
-        cu_seqlens_cpu=kwargs.get(HOST_CU_SEQLENS),
-        backend=backend,
+        _tokens_first(query), _tokens_first(key), _tokens_first(value), cu_seqlens, max_seqlen, **options
     )
     return out.view(rows, row_length, heads, -1), None
 
@@ -124,7 +134,9 @@ def _refuse_unsupported_attention(module, kwargs) -> None:
         raise NotImplementedError(f"{name}: attention logit softcapping is not supported yet.")
 
 
-ATTENTION = Replacement("ALL_ATTENTION_FUNCTIONS", lambda stock, b: PackedAttentionFunctions(stock, b.attention))
+ATTENTION = Replacement(
+    "ALL_ATTENTION_FUNCTIONS", lambda stock, b: PackedAttentionFunctions(stock, b.attention, b.context_parallel)
+)
 
 
 # ------------------------------------------------------------------------------------------------ masks
@@ -156,6 +168,11 @@ def _make_causal_conv1d(stock: Callable, backends: Backends) -> Callable:
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, seq_idx=None, **kwargs):
         if seq_idx is None:
             return stock(hidden_states, weight, bias, activation=activation)
+        ulysses.check_batch(kwargs, backends.context_parallel, "causal conv1d")
+        if backends.context_parallel is not None:
+            return ulysses.causal_conv1d(
+                hidden_states, weight, bias, seq_idx, activation, backend=backends.conv, cp=backends.context_parallel
+            )
         return causal_conv1d_varlen(hidden_states, weight, bias, seq_idx, activation, backend=backends.conv)
 
     return causal_conv1d_fn
@@ -190,11 +207,15 @@ def _delta_rule(
                     **(kwargs if stock_takes_kwargs else {}),
                 )
             _refuse_state(initial_state is not None or output_final_state, what)
-            out = varlen(
-                query, key, value, g, beta, cu_seqlens, use_qk_l2norm=use_qk_l2norm_in_kernel,
-                cu_seqlens_cpu=kwargs.get(HOST_CU_SEQLENS), backend=backends.gated_delta,
+            ulysses.check_batch(kwargs, backends.context_parallel, what)
+            options = dict(
+                use_qk_l2norm=use_qk_l2norm_in_kernel, cu_seqlens_cpu=kwargs.get(HOST_CU_SEQLENS),
+                backend=backends.gated_delta,
             )
-            return out, None
+            if backends.context_parallel is not None:  # head-parallel over the whole rows
+                cp = backends.context_parallel
+                return ulysses.delta_rule(varlen, query, key, value, g, beta, cu_seqlens, cp=cp, where=what, **options), None
+            return varlen(query, key, value, g, beta, cu_seqlens, **options), None
 
         chunk_delta_rule.__name__ = chunk_delta_rule.__qualname__ = global_name
         return chunk_delta_rule
@@ -231,7 +252,11 @@ def _make_mamba2_chunk_scan(stock: Callable, backends: Backends) -> Callable:
         _refuse_state(initial_states is not None or return_final_states, "Mamba2 scan")
         if z is not None:
             raise NotImplementedError("mamba2_chunk_scan with a gate z is not supported on packed batches yet.")
-        return mamba2_chunk_scan_varlen(
+        ulysses.check_batch(kwargs, backends.context_parallel, "Mamba2 scan")
+        scan = mamba2_chunk_scan_varlen
+        if backends.context_parallel is not None:  # head-parallel over the whole rows
+            scan = functools.partial(ulysses.mamba2_chunk_scan, cp=backends.context_parallel)
+        return scan(
             hidden_states, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
             dt_limit=tuple(dt_limit), seq_idx=seq_idx, backend=backends.ssd,
         )
