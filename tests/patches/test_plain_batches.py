@@ -64,13 +64,13 @@ def test_output_attentions_on_plain_batches_as_stock(family, variant):
     stock, patched = build_pair(family, variant)
     for model in (stock, patched):
         model.set_attn_implementation("eager")
-    batch = _plain_batches(stock.config.get_text_config().vocab_size)["padded"]
-    with torch.no_grad():
-        expected = getattr(stock(**batch, output_attentions=True, use_cache=False), "attentions", ())
-        got = getattr(patched(**batch, output_attentions=True, use_cache=False), "attentions", ())
-    assert len(got) == len(expected)
-    assert len(expected) > 0 or not _has_attention(stock)
-    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+    for name, batch in _plain_batches(stock.config.get_text_config().vocab_size).items():
+        with torch.no_grad():
+            expected = getattr(stock(**batch, output_attentions=True, use_cache=False), "attentions", ())
+            got = getattr(patched(**batch, output_attentions=True, use_cache=False), "attentions", ())
+        assert len(got) == len(expected), name
+        assert len(expected) > 0 or not _has_attention(stock), name
+        assert all(torch.equal(a, b) for a, b in zip(got, expected)), name
 
 
 @pytest.mark.parametrize("family, variant", FAMILIES)
