@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = _parser().parse_args(argv)
     can_plot = dependencies.check(plot=not args.no_plot)
+    if args.replot:
+        return _replot(pathlib.Path(args.replot), can_plot)
     rows = [int(text) for text in args.rows.split(",")]
     started, load_start = time.monotonic(), _load()
     points = []
@@ -74,7 +76,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--step-timeout", type=float, default=900.0, help="seconds per timed round at most")
     parser.add_argument("--out", default="benchmarks/results", help="output directory (default: benchmarks/results)")
     parser.add_argument("--no-plot", action="store_true", help="write no PNG")
+    parser.add_argument("--replot", metavar="JSON", help="only rewrite the .md and .png of a saved run's JSON")
     return parser
+
+
+def _replot(path: pathlib.Path, can_plot: bool) -> int:
+    report = json.loads(path.read_text())
+    path.with_suffix(".md").write_text(markdown(report))
+    if can_plot:
+        plot(report, path.with_suffix(".png"))
+    print(f"wrote {path.with_suffix('.md')}" + (", .png" if can_plot else ""))
+    return 0
 
 
 def equal_documents(tokens: int, doc_len: int) -> list[list[int]]:
@@ -156,7 +168,7 @@ def markdown(report: dict) -> str:
     lines = [f"# compilepack long rows: cpu, {report['date']}", "",
              (f"torch {report['torch']}, transformers {report['transformers']}; {settings['widths']} widths; "
               f"{settings['steps']} timed rounds per mode and point, taken in turn across the point's two warm "
-              f"workers; allocator `{settings['allocator']}`; threads {settings['threads'] or 'torch default'}; run wall time {report['wall_s']:.0f} s; "
+              f"workers; allocator `{settings.get('allocator', 'system')}`; threads {settings['threads'] or 'torch default'}; run wall time {report['wall_s']:.0f} s; "
               f"1-minute load average {report['load_avg']['start']} at the start, {report['load_avg']['end']} at "
               "the end, per point in the JSON."), "",
              ("`equal`: documents of "
@@ -195,7 +207,7 @@ def plot(report: dict, path: pathlib.Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (speed, memory) = plt.subplots(1, 2, figsize=(12, 4.8))
+    figure, (speed, ratio, memory) = plt.subplots(1, 3, figsize=(16, 4.8))
     series = {}
     for p in report["points"]:
         for mode, f in (p.get("modes") or {}).items():
@@ -210,17 +222,38 @@ def plot(report: dict, path: pathlib.Path) -> None:
         style = "-" if documents == "equal" else "--"
         speed.errorbar(xs, ys, yerr=spread, fmt="o" + style, capsize=3, label=label)
         memory.plot(xs, [f["peak_mem_mb"] for _, f in values], "o" + style, label=label)
-    for axes, ylabel in ((speed, "real tokens / s (training step)"), (memory, "peak memory, MB (RSS above baseline)")):
+    _plot_ratios(ratio, report["points"])
+    for axes, ylabel in ((speed, "real tokens / s (training step)"), (ratio, "patched / stock tokens/s (paired rounds)"),
+                         (memory, "peak memory, MB (RSS above baseline)")):
         axes.set_xscale("log", base=2)
         axes.set_xlabel("tokens per row (per step)")
         axes.set_ylabel(ylabel)
         axes.grid(True, which="both", alpha=0.3)
     memory.set_yscale("log")
+    speed.set_yscale("log")
     speed.legend(fontsize=7)
+    ratio.legend(fontsize=7)
     figure.suptitle(f"compilepack long rows, cpu, {report['date']} ({report['settings']['widths']} widths)")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
+
+
+def _plot_ratios(axes, points: list[dict]) -> None:
+    """Patched over stock per point: the median of the paired rounds, whiskers their range; 1 = parity."""
+    series = {}
+    for p in points:
+        if p.get("speedup"):
+            series.setdefault((p["family"], p["documents"]), []).append(p)
+    for (family, documents), values in series.items():
+        xs = [p["tokens"] for p in values]
+        ys = [p["speedup"] for p in values]
+        spread = [[y - p["speedup_range"][0] for y, p in zip(ys, values)],
+                  [p["speedup_range"][1] - y for y, p in zip(ys, values)]]
+        stock = "grouped" if documents == "equal" else "padded"
+        axes.errorbar(xs, ys, yerr=spread, fmt="o-" if documents == "equal" else "o--", capsize=3,
+                      label=f"{family}: patched / stock {stock} ({documents})")
+    axes.axhline(1.0, color="grey", linewidth=0.8)
 
 
 def _load():

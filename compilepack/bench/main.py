@@ -111,7 +111,7 @@ def run(args) -> int:
 
 # What --widths real changes when the option is not given: a real-width step takes 10-60 s on 2 CPU cores, and a
 # worker holds 1-12 GB, so fewer, shorter steps, the two modes the issue compares, and one worker at a time.
-REAL_DEFAULTS = {"steps": 2, "tokens_per_step": 1024, "warmup": "one-at-a-time", "mode_timeout": 900.0,
+REAL_DEFAULTS = {"steps": 2, "tokens_per_step": 512, "warmup": "one-at-a-time", "mode_timeout": 900.0,
                  "step_timeout": 1800.0,
                  "modes": ("stock_grouped_eager", "patched_packed_eager")}
 BENCH_DEFAULTS = {"steps": 3, "tokens_per_step": 8192, "warmup": "concurrent", "mode_timeout": 120.0,
