@@ -56,32 +56,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
+        wanted = _wanted_checks(args.checks)
         model, described = load_model(args)
     except CheckSetupError as error:
         print(f"compilepack check: {error}", file=sys.stderr)
         return 2
     print(f"compilepack check {args.model}: {described}; torch {torch.__version__}")
-    unsupported = None
-    if not args.stock:
-        import compilepack
-
-        try:
-            model = compilepack.patch(model)
-        except UnsupportedModelError as error:
-            unsupported = str(error)
+    model, unsupported = (model, None) if args.stock else _patched(model)
     if unsupported:
         print(f"not supported: {unsupported}")
         print("The stock model's own packing, position_ids only (what it infers boundaries from):")
         args.inputs, wanted = "position_ids", ["packed", "isolation"]
-    else:
-        wanted = [name.strip() for name in args.checks.split(",") if name.strip()]
-    results = run_checks(model, wanted, position_ids_only=args.inputs == "position_ids", backend=args.backend)
+    results = run_checks(model, wanted, position_ids_only=args.inputs == "position_ids", backend=args.backend,
+                         seed=args.seed)
     passed = not unsupported and all(r.passed for r in results)
     print(format_table(results))
     print(verdict(results, unsupported, args))
     if args.json:
         _write_json(args, described, results, passed, unsupported, time.monotonic() - started)
     return 0 if passed else 1
+
+
+def _wanted_checks(names: str) -> list[str]:
+    wanted = [name.strip() for name in names.split(",") if name.strip()]
+    unknown = sorted(set(wanted) - set(CHECKS))
+    if unknown or not wanted:
+        raise CheckSetupError(f"unknown checks {unknown or names!r}; choose from {', '.join(CHECKS)}.")
+    return wanted
+
+
+def _patched(model) -> tuple[torch.nn.Module, str | None]:
+    """(the patched model, None), or (the stock model, why compilepack does not patch it)."""
+    import compilepack
+
+    try:
+        return compilepack.patch(model), None
+    except UnsupportedModelError as error:
+        return model, str(error)
 
 
 class CheckSetupError(Exception):
@@ -185,9 +196,7 @@ def _from_pretrained(source: str | None, config, args) -> torch.nn.Module:
 def run_checks(model, wanted: list[str], *, position_ids_only: bool = False, backend: str = "eager",
                seed: int = 0) -> list[testing.CheckResult]:
     """Run the named checks (``CHECKS``) on ``model``, each timed; a check that raises is a failed result."""
-    unknown = sorted(set(wanted) - set(CHECKS))
-    if unknown:
-        raise CheckSetupError(f"unknown checks {unknown}; choose from {', '.join(CHECKS)}.")
+    wanted = _wanted_checks(",".join(wanted))
     config = model.config
     vocab = config.get_text_config().vocab_size
     batches = testing.packed_batches(vocab, chunk=testing.chunk_size_of(config), seed=seed)
