@@ -300,11 +300,15 @@ def check_model(model, family, cp: ContextParallel) -> None:
         {r.global_name for needed in family.layers.values() for r in needed} - SUPPORTED_REPLACEMENTS
     )
     if unsupported or family.boundary_calls:
+        why = (
+            f"its layers call {', '.join(unsupported)} (no head-parallel path)" if unsupported else
+            "its model forwards drop **kwargs on the way to the mixers, and the calls compilepack threads carry the "
+            "boundaries only (not the batch's shard, shift_labels or num_items_in_batch)"
+        )
         raise ContextParallelError(
-            f"context parallelism does not support {family.name} yet: its layers call "
-            f"{', '.join(unsupported) or 'mixers reached through threaded calls'}, which have no head-parallel path. "
-            "Supported: families made of attention, causal conv1d, Gated DeltaNet, Kimi delta attention and "
-            "Mamba2 layers (docs/context-parallel.md)."
+            f"context parallelism does not support {family.name} yet: {why}. Supported: families made of "
+            "attention, causal conv1d, Gated DeltaNet, Kimi delta attention and Mamba2 layers whose stacks pass "
+            "**kwargs down (docs/context-parallel.md)."
         )
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     for heads_name, read_name in CONFIG_HEADS:
