@@ -50,7 +50,6 @@ def packed_decoder_forward(
             _refuse_unmarked_packing(kwargs)
         return stock_forward(self, **kwargs)
 
-    forward.__compilepack__ = True
     return forward
 
 

@@ -185,9 +185,10 @@ def _patched_forwards(family: Family, backends: Backends, classes: tuple) -> dic
     forwards = {}
     for cls, needed in plan.items():
         own = {r.global_name: renames[r.global_name] for r in needed}
-        forwards[cls] = with_globals(cls.forward, own, tuple(family.boundary_calls.get(cls.__name__, ())))
-    for forward in forwards.values():
-        innermost(forward).__compilepack__ = True
+        try:
+            forwards[cls] = with_globals(cls.forward, own, tuple(family.boundary_calls.get(cls.__name__, ())))
+        except IncompatibleTransformersError as error:  # say which family's declaration or release is at fault
+            raise IncompatibleTransformersError(f"cannot patch {family.name}: {error}") from error
     forwards[decoder_cls] = packed_decoder_forward(
         forwards[decoder_cls], decoder_cls.forward, _parameter_names(decoder_cls.forward),
         stock_packs_positions=family.stock_packs_positions,
