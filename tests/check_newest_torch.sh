@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The family tests on the newest torch the package index serves, in a scratch virtual environment: torch is not
+# pinned here (pyproject admits torch>=2.13), so the release users get from a fresh `pip install` is tested the day
+# it appears. CI runs it after the main suite (which pins the tested 2.13.0 CPU wheel).
+#
+#   tests/check_newest_torch.sh                                  # venv .torch-venv, tests/patches/test_families.py
+#   tests/check_newest_torch.sh .ci-torch-venv tests/patches -x
+set -euo pipefail
+venv="${1:-.torch-venv}"
+shift $(( $# >= 1 ? 1 : 0 ))
+cd "$(dirname "$0")/.."
+
+python3 -m venv "$venv"
+. "$venv/bin/activate"
+python -m pip install --quiet --upgrade pip
+# A machine may cap torch with a pip constraints file (to keep a local wheel): lifted for these installs. On a
+# CPU machine this is the CUDA build from the index (~3 GB with its CUDA libraries); it runs the CPU code paths.
+PIP_CONSTRAINT=/dev/null python -m pip install --quiet --upgrade torch
+PIP_CONSTRAINT=/dev/null python -m pip install --quiet -e . "pytest>=8" "hypothesis>=6.100" "pytest-timeout>=2.3"
+python -c "import torch, transformers; print('torch', torch.__version__, '| transformers', transformers.__version__)"
+python -m pytest -q -p no:cacheprovider "${@:-tests/patches/test_families.py}"
