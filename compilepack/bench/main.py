@@ -169,6 +169,7 @@ def resolve_modes(text: str | None, full: bool = False, widths: str = "bench") -
 
 
 def _run_all(args, families, modes, workload, scratch: pathlib.Path, log_dir: pathlib.Path) -> list[dict]:
+    from .report import write_json
     from tqdm import tqdm
 
     from .rounds import run_family
@@ -197,6 +198,9 @@ def _run_all(args, families, modes, workload, scratch: pathlib.Path, log_dir: pa
                 result["timeout_s"] = args.mode_timeout if args.isolation == "process" else None
                 bar.write(_one_line(result))
             results += family_results
+            # what is measured so far, in case the run is stopped (a real-width run takes tens of minutes)
+            write_json({"partial": True, "families_done": list(dict.fromkeys(r["family"] for r in results)),
+                        "results": results}, log_dir / "partial.json")
             bar.update(done_before + units - bar.n)  # a mode that ended early skips its remaining rounds
     return results
 
