@@ -82,6 +82,13 @@ class ContextParallel:
     def describe(self) -> str:
         return f"ulysses(size={self.size}, rank={self.rank}, group={id(self.group):x})"
 
+    def __reduce__(self):
+        # a process group lives in this process only: say so, instead of pickle's "cannot pickle ProcessGroup"
+        raise ContextParallelError(
+            "a model patched with context_parallel= cannot be pickled or copied (its process group belongs to this "
+            "process): copy or save the model before compilepack.patch, or compilepack.unpatch it first."
+        )
+
 
 @functools.cache
 def _of_group(group: dist.ProcessGroup) -> ContextParallel:

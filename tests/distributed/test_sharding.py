@@ -75,6 +75,15 @@ def test_a_divisible_batch_is_not_padded():
     assert torch.equal(shard["position_ids"], batch["position_ids"][:, 16:32])
 
 
+def test_a_context_parallel_model_refuses_to_be_copied():
+    import copy
+    import pickle
+
+    for copy_ in (copy.deepcopy, pickle.dumps):
+        with pytest.raises(ContextParallelError, match="cannot be pickled or copied"):
+            copy_({"backends": ContextParallel(None, 2, 0)})
+
+
 def test_refuses_batches_it_cannot_shard():
     cp = ContextParallel(None, 2, 0)
     with pytest.raises(ContextParallelError, match="needs a packed batch with boundary kwargs"):
