@@ -141,8 +141,9 @@ def _refuse_if(broken: bool, rule: Rule, *found) -> bool:
     return False
 
 
-def check_static(kwargs: Mapping, tokens: torch.Tensor) -> None:
-    """The rules that types, dtypes, ranks, devices and present keys decide (known while tracing)."""
+def check_static(kwargs: Mapping, tokens: torch.Tensor, row_length=None) -> None:
+    """The rules that types, dtypes, ranks, devices and present keys decide (known while tracing). ``row_length``:
+    the whole rows' length when ``tokens`` hold a context-parallel shard of each row (default: the tokens')."""
     _refuse_if(kwargs.get(CU_SEQLENS_Q) is None, CU_REQUIRED, "no 'cu_seq_lens_q'")
     _refuse_if(kwargs.get(ATTENTION_MASK) is not None, NO_MASK, "an 'attention_mask'")
     _refuse_if(kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None, NO_CACHE, "a cache")
@@ -156,7 +157,8 @@ def check_static(kwargs: Mapping, tokens: torch.Tensor) -> None:
     seq_idx = kwargs.get(SEQ_IDX)
     if seq_idx is not None:
         bad = not isinstance(seq_idx, torch.Tensor) or seq_idx.dtype not in _INTEGER_DTYPES or seq_idx.dim() != 2
-        _refuse_if(_decided(bad or tuple(seq_idx.shape) != tuple(tokens.shape[:2])), SEQ_IDX_TENSOR, *_facts(seq_idx))
+        rows = (tokens.shape[0], tokens.shape[1] if row_length is None else row_length)
+        _refuse_if(_decided(bad or tuple(seq_idx.shape) != rows), SEQ_IDX_TENSOR, *_facts(seq_idx))
 
 
 def _check_cu_static(key: str, cu, device: torch.device) -> None:

@@ -343,24 +343,21 @@ def all_reduce_gradients(model: torch.nn.Module, group_or_mesh) -> None:
 # ------------------------------------------------------------------------------------------------ the decoder
 
 
-def shard_view(kwargs: dict, tokens: Tensor) -> tuple[dict, int]:
-    """For the patched decoder's boundary checks: ``(kwargs as the static checks see them, ranks per row)``.
+def shards_per_row(kwargs: dict, tokens: Tensor) -> int:
+    """For the patched decoder's boundary checks: how many ranks share each row (1 without a shard).
 
-    Without a shard: ``(kwargs, 1)``. A context-parallel shard holds ``T / W`` tokens of every row while its
-    ``seq_idx`` and ``cu_seq_lens_q`` describe the whole rows (``shard_batch``): the static checks (types, ranks,
-    ``seq_idx`` shaped like the tokens) see this rank's columns of ``seq_idx``, the value checks run on the whole
-    rows (``T = W x T_local``). Static facts only: safe to trace."""
+    A context-parallel shard holds ``T / W`` tokens of every row while its ``seq_idx`` and ``cu_seq_lens_q``
+    describe the whole rows (``shard_batch``): the boundary checks run on the whole rows (``T = W x T_local``).
+    Static facts only: safe to trace."""
     shard = kwargs.get(SHARD_KEY)
     if shard is None:
-        return kwargs, 1
+        return 1
     if kwargs.get("position_ids") is None:
         raise ContextParallelError(
             "a context-parallel shard needs its 'position_ids' (positions inside each document, global: they cannot "
             "be derived from a slice of a row); shard with compilepack.distributed.shard_batch, which sets them."
         )
     seq_idx = kwargs.get("seq_idx")
-    if not isinstance(seq_idx, Tensor) or seq_idx.dim() != 2:
-        return kwargs, shard.size  # the static checks refuse it with their own message
-    check_shard(tokens.shape[1], seq_idx.shape[1], shard, "the packed decoder")
-    local = tokens.shape[1]
-    return {**kwargs, "seq_idx": seq_idx[:, shard.rank * local : (shard.rank + 1) * local]}, shard.size
+    if isinstance(seq_idx, Tensor) and seq_idx.dim() == 2:  # (otherwise the static checks refuse it themselves)
+        check_shard(tokens.shape[1], seq_idx.shape[1], shard, "the packed decoder")
+    return shard.size

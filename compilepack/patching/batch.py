@@ -63,9 +63,8 @@ def prepare_packed_kwargs(kwargs: dict) -> dict:
     if tokens is None:
         tokens = kwargs["inputs_embeds"]
     # a context-parallel shard holds 1/W of every row; its boundaries (cu_seq_lens_q, seq_idx) describe whole rows
-    static_view, shards = ulysses.shard_view(kwargs, tokens)
-    guards.check_static(static_view, tokens)
-    rows, row_length = tokens.shape[0], tokens.shape[1] * shards
+    rows, row_length = tokens.shape[0], tokens.shape[1] * ulysses.shards_per_row(kwargs, tokens)
+    guards.check_static(kwargs, tokens, row_length)
     given = kwargs[CU_SEQLENS_Q]
     on_host = given.device.type == "cpu" and not torch.compiler.is_compiling()
     if on_host:
