@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 import compilepack.ops.mamba2 as mamba2_ops
+import compilepack.patching.replacements as replacements
 from compilepack.backends import Backends
 from compilepack.patching import MAMBA2_SPLIT_CONV1D_SCAN, patch_state
 from compilepack.patching.family import _key
@@ -38,7 +39,8 @@ def test_packed_training_declines_the_fused_kernel_and_runs_compilepacks_scan(fa
 
     scan = mamba2_ops.mamba2_chunk_scan_varlen
     monkeypatch.setitem(modeling.__dict__, installed, fused)
-    monkeypatch.setattr(mamba2_ops, "mamba2_chunk_scan_varlen", lambda *a, **k: scans.append(1) or scan(*a, **k))
+    # the replacement calls the op through replacements.py's module global (imported there at the top)
+    monkeypatch.setattr(replacements, "mamba2_chunk_scan_varlen", lambda *a, **k: scans.append(1) or scan(*a, **k))
     patched.train()
     patched(**hf_batch(random_docs(patched.config.get_text_config().vocab_size, LENGTHS)))
     mixer_classes = {name for name, needed in family.layers.items() if MAMBA2_SPLIT_CONV1D_SCAN in needed}
