@@ -18,8 +18,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-# Two CPU cores: keep torch from oversubscribing them, and keep hypothesis runs short but real.
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Two CPU cores: keep torch from oversubscribing them (one thread per pytest-xdist worker: two workers with two
+# threads each made OpenMP regions wait on each other, e.g. a 20 us searchsorted took 20 ms), and keep hypothesis
+# runs short but real.
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1)))
 settings.register_profile(
     "ci",
     max_examples=25,
