@@ -36,7 +36,6 @@ from .boundaries import (
     document_starts,
 )
 from .errors import BoundaryError
-from .ops._common import seq_idx_from_cu_seqlens
 
 _INTEGER_DTYPES = (torch.int32, torch.int64)
 
@@ -268,11 +267,13 @@ def _preview(values: list[int], limit: int = 8) -> str:
 # ------------------------------------------------------------------------------------------------ values, in the graph
 
 
-def assert_values_in_graph(kwargs: Mapping, cu: torch.Tensor, rows, row_length) -> None:
-    """Every value rule as an asynchronous device assert on ``cu`` (``cu_seq_lens_q`` on the model's device).
+def assert_values_in_graph(kwargs: Mapping, cu: torch.Tensor, seq_idx: torch.Tensor) -> None:
+    """Every value rule as an asynchronous device assert on ``cu`` (``cu_seq_lens_q`` on the model's device);
+    ``seq_idx``: ``[rows, row length]``, the document index of every token derived from ``cu`` (the decoder's own).
 
     Size-``N+1`` tensors only (never ``cu[1:]``, whose size 1 for a one-document batch would be specialised by
     the compiler and cost a recompile)."""
+    rows, row_length = seq_idx.shape
     total = rows * row_length
     STARTS_AT_ZERO.assert_async(cu[0] == 0)
     ENDS_AT_TOKENS.assert_async(cu[-1] == total)
@@ -290,13 +291,13 @@ def assert_values_in_graph(kwargs: Mapping, cu: torch.Tensor, rows, row_length) 
         _refuse_if(_decided(cu_k.shape[0] != cu.shape[0]), K_EQUALS_Q, "a different number of entries")
         K_EQUALS_Q.assert_async((cu_k.to(cu.device, cu.dtype) == cu).all())
     if kwargs.get(SEQ_IDX) is not None:
-        assert_seq_idx_in_graph(kwargs[SEQ_IDX], cu, rows, row_length)
+        assert_seq_idx_in_graph(kwargs[SEQ_IDX], seq_idx)
 
 
-def assert_seq_idx_in_graph(seq_idx: torch.Tensor, cu: torch.Tensor, rows, row_length) -> None:
-    """``seq_idx`` starts a document exactly where ``cu`` does, as an asynchronous assert on ``cu``'s device."""
-    wanted = document_starts(seq_idx_from_cu_seqlens(cu, rows * row_length).view(rows, row_length))
-    SEQ_IDX_AGREES.assert_async((document_starts(seq_idx.to(cu.device)) == wanted).all())
+def assert_seq_idx_in_graph(given: torch.Tensor, derived: torch.Tensor) -> None:
+    """The batch's ``seq_idx`` starts a document exactly where the one derived from ``cu_seq_lens_q`` does, as an
+    asynchronous assert on the derived one's device."""
+    SEQ_IDX_AGREES.assert_async((document_starts(given.to(derived.device)) == document_starts(derived)).all())
 
 
 def unmarked_packing_on_host(position_ids: torch.Tensor) -> BoundaryError | None:

@@ -70,18 +70,18 @@ def prepare_packed_kwargs(kwargs: dict) -> dict:
     if on_host:
         guards.check_values_on_host(kwargs, rows, row_length)
     cu_seqlens = given.to(device=tokens.device, dtype=torch.int32, non_blocking=True)
+    seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, rows * row_length).view(rows, row_length)
     if not on_host:
-        guards.assert_values_in_graph(kwargs, cu_seqlens, rows, row_length)
+        guards.assert_values_in_graph(kwargs, cu_seqlens, seq_idx)
     elif kwargs.get(SEQ_IDX) is not None and kwargs[SEQ_IDX].device.type != "cpu":
-        guards.assert_seq_idx_in_graph(kwargs[SEQ_IDX], cu_seqlens, rows, row_length)
-    seq_idx_flat = seq_idx_from_cu_seqlens(cu_seqlens, rows * row_length)
+        guards.assert_seq_idx_in_graph(kwargs[SEQ_IDX], seq_idx)
     max_seqlen = _max_seqlen(kwargs.get(MAX_LENGTH_Q), row_length, on_host)
     kwargs.update({
         CU_SEQLENS_Q: cu_seqlens,
         CU_SEQLENS_K: cu_seqlens,
         MAX_LENGTH_Q: max_seqlen,
         MAX_LENGTH_K: max_seqlen,
-        SEQ_IDX: seq_idx_flat.view(rows, row_length),
+        SEQ_IDX: seq_idx,
         # the host copy, when the batch brought one (kernels that need host-side sizes read it instead of
         # copying cu_seqlens back from the device); None when a trainer already moved the batch to the device. A
         # multimodal entry prepares the batch before its decoder does: the decoder keeps the entry's host copy.
@@ -90,7 +90,7 @@ def prepare_packed_kwargs(kwargs: dict) -> dict:
         "use_cache": False,
     })
     if kwargs.get(POSITION_IDS) is None:
-        kwargs[POSITION_IDS] = _positions_in_documents(cu_seqlens, seq_idx_flat).view(rows, row_length)
+        kwargs[POSITION_IDS] = _positions_in_documents(cu_seqlens, seq_idx.flatten()).view(rows, row_length)
     return kwargs
 
 
