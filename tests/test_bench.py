@@ -309,6 +309,15 @@ def test_grouped_rounds_take_a_long_a_middle_and_a_short_step_snake_wise():
     assert one_round.grouped_rounds() == [data.evenly_spaced(data.grouped_by_length(pool, 256), 3)]
 
 
+@pytest.mark.parametrize("mode", modes.MODE_NAMES)
+def test_every_mode_warms_up_on_the_whole_warmup_step(mode):
+    """A warm-up smaller than the timed steps leaves the first timed round paying the first full-size step (an
+    eager mode's round 0 took up to 1.74x its later rounds with a 1k-token warm-up)."""
+    workload = modes.Workload(tokens_per_step=4096, steps=1)
+    warmup, _ = modes.mode_named(mode).batches(workload)
+    assert [batch.docs for batch in warmup] == workload.arrival_steps()[0]
+    assert sum(len(doc) for doc in warmup[0].docs) > 2048  # a full step (the old eager warm-up: its first 1k tokens)
+
 # ------------------------------------------------------------------------------------------------ dependencies
 
 

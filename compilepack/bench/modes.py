@@ -14,7 +14,6 @@ from typing import NamedTuple
 from . import data
 
 EAGER, DYNAMIC, STATIC = None, "dynamic", "static"
-SHORT_WARMUP_TOKENS = 1024
 
 
 class Batch(NamedTuple):
@@ -90,28 +89,24 @@ class Mode:
         return f"{model}, {_LAYOUT_TEXTS[self.layout]}, {compiled}"
 
     def batches(self, workload: Workload) -> tuple[list[Batch], list[list[Batch]]]:
-        """(warm-up batches, the timed batches of each round). Eager modes warm up on a short batch (optimizer
-        state, kernels); compiled modes warm up on full steps, so the compile sees a real shape. A round is one
-        batch (the round's arrival step), or ``grouped_per_round`` batches for the grouped mode."""
+        """(warm-up batches, the timed batches of each round). Every mode warms up on a full step (the warm-up
+        arrival step, batched the mode's way): a compiled mode's compile sees a real shape, and no mode's first timed
+        round pays what a first full-size step costs (the allocator's first touch of its pages, first-call
+        overheads). With the earlier 1k-token eager warm-up (default run, 2026-12-01 17:44, idle), every eager
+        mode's round 0 took 1.04-1.74x the mean of its rounds 1 and 2, the compiled modes' did not. A round is one batch (the round's arrival
+        step), or ``grouped_per_round`` batches for the grouped mode."""
         warmup, timed = workload.arrival_steps()
         rounds = workload.grouped_rounds() if self.layout in GROUPED_LAYOUTS else [[step] for step in timed]
-        if self.compile is EAGER:
-            warmup = [_first_tokens(step, SHORT_WARMUP_TOKENS) for step in warmup]
         layout = _LAYOUTS[self.layout]
         return layout(warmup, workload), [layout(steps, workload) for steps in rounds]
-
 
     def batches_of(self, step: list[list[int]], workload: Workload) -> tuple[list[Batch], list[list[Batch]]]:
         """(warm-up batches, timed batches of each round) when every round trains on the same given documents
         (the long-row sweep): the warm-up as in :meth:`batches`, then ``workload.steps`` rounds of ``step``,
         batched the mode's way (the grouped layout pads the step's documents to their longest, as one batch)."""
-        warmup = [step if self.compile is not EAGER else _first_tokens(step, SHORT_WARMUP_TOKENS)]
+        warmup = [step]
         layout = _LAYOUTS[self.layout]
         return layout(warmup, workload), [layout([step], workload) for _ in range(workload.steps)]
-
-
-def _first_tokens(step: list[list[int]], budget: int) -> list[list[int]]:
-    return data.steps_by_token_budget(step, budget)[0]
 
 
 def _padded(steps, workload, multiple_of=1):
