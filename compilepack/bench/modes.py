@@ -108,8 +108,9 @@ class Mode:
         mode's round 0 took 1.04-1.26x its later rounds (stock grouped, patched eager); compiled modes' did not.
         The exception is stock padded eager, which warms up on the first 1k tokens: its full step is the run's
         costliest (3-11 s on 2 cores, 82% padding) and, run beside the family's compile, made the hybrids'
-        compiles take 62-79 s instead of 47-48 s. Its round 0 therefore includes that first-step cost: the slowest of its 3 rounds, which the median
-        leaves out, and it can only raise a paired ratio against it in round 0, never lower a bar's worst round.
+        compiles take 62-79 s instead of 47-48 s. Its round 0 therefore includes that first-step cost: the slowest
+        of its 3 rounds, which the median leaves out; it can only raise a paired ratio against it in round 0, never
+        lower a bar's worst round.
         """
         warmup, timed = workload.arrival_steps()
         if self.layout in GROUPED_LAYOUTS:
