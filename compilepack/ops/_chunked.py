@@ -129,11 +129,15 @@ def segmented_cumsum_backward(grad: Tensor, same_doc: Tensor, tokens_dim: int = 
 
 
 def _masked_sum(x: Tensor, mask_NCC: Tensor, tokens_dim: int) -> Tensor:
-    ones = x.dim() - (2 if tokens_dim == -1 else 3)  # x's dims between the chunk dim and the token dim
-    mask = mask_NCC.to(x.dtype).view(mask_NCC.shape[0], *(1,) * ones, *mask_NCC.shape[1:])
-    if tokens_dim == -2:
-        return mask @ x
-    return (mask @ x.unsqueeze(-1)).squeeze(-1)
+    mask = mask_NCC.to(x.dtype)
+    if tokens_dim == -1:
+        # every row of a chunk at once: [NC, rows, C] @ mask^T, one matrix product per chunk. Broadcasting the mask
+        # over the heads instead copies it per head and runs a matrix-vector product each: 8-10x slower on a
+        # bench row (254 chunks, 8 value heads: 1.9 vs 0.2 ms), with bit-identical sums
+        rows = x.reshape(x.shape[0], -1, x.shape[-1])
+        return torch.bmm(rows, mask.transpose(-1, -2)).view(x.shape)
+    ones = x.dim() - 3  # x's dims between the chunk dim and the token dim
+    return mask.view(mask_NCC.shape[0], *(1,) * ones, *mask_NCC.shape[1:]) @ x
 
 
 def compute_dtype(x: Tensor) -> torch.dtype:

@@ -98,14 +98,20 @@ def fake(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
 
 def _chunk_start_states(u: Tensor, w: Tensor, k_out: Tensor, carry: Tensor) -> Tensor:
     """The recurrent state at the start of every chunk, ``[NC, H, G, K, V]`` (zero before the first chunk)."""
-    n_chunks = u.shape[0]
     states = u.new_empty(*u.shape[:3], w.shape[-1], u.shape[-1])
     states[0].zero_()
-    k_out_t = k_out.transpose(-1, -2)
-    for i in range(n_chunks - 1):
-        v_new = u[i] - w[i] @ states[i]
-        torch.addcmul(k_out_t[i] @ v_new, carry[i][..., None], states[i], out=states[i + 1])
+    # value heads merged, [NC, H*G, ...], so each step is two fused batched products on views: the loop runs
+    # T / C times and its per-op overhead, not its arithmetic, is what it costs
+    s, u, w, k_out_t, carry = _heads_merged(states, u, w, k_out.transpose(-1, -2), carry[..., None])
+    for i in range(u.shape[0] - 1):
+        v_new = torch.baddbmm(u[i], w[i], s[i], alpha=-1)  # u - w @ s
+        torch.baddbmm(s[i] * carry[i], k_out_t[i], v_new, out=s[i + 1])
     return states
+
+
+def _heads_merged(*tensors: Tensor) -> list[Tensor]:
+    """``[NC, H, G, ...]`` -> ``[NC, H*G, ...]``; a view for every tensor the loops write into."""
+    return [x.flatten(1, 2) for x in tensors]
 
 
 def backward(do, o, saved, needs_grad, q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
@@ -158,13 +164,13 @@ def _chunk_end_state_grads(do_c: Tensor, c: _Chunks) -> Tensor:
     # per chunk: dv_new = attn^T do + k_out dS';  dS = (q e)^T do - W^T dv_new + carry dS'
     d_v_new_local = c.attn.transpose(-1, -2) @ do_c
     d_state_local = c.qe.transpose(-1, -2) @ do_c
-    w_t = c.w.transpose(-1, -2)
     d_states_end = torch.empty_like(d_state_local)
     d_states_end[-1].zero_()
+    d_end, d_v_local, d_s_local, k_out, w_t, carry = _heads_merged(
+        d_states_end, d_v_new_local, d_state_local, c.k_out, c.w.transpose(-1, -2), c.carry[..., None])
     for i in range(c.n_chunks - 1, 0, -1):
-        d_v_new = d_v_new_local[i] + c.k_out[i] @ d_states_end[i]
-        d_prev = torch.addcmul(d_state_local[i] - w_t[i] @ d_v_new, c.carry[i][..., None], d_states_end[i])
-        d_states_end[i - 1].copy_(d_prev)
+        d_v_new = torch.baddbmm(d_v_local[i], k_out[i], d_end[i])
+        torch.baddbmm(torch.addcmul(d_s_local[i], carry[i], d_end[i]), w_t[i], d_v_new, alpha=-1, out=d_end[i - 1])
     return d_states_end
 
 
