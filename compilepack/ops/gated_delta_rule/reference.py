@@ -74,8 +74,8 @@ class _Chunks(ChunkedInputs):
         self.A_inv = unit_lower_inverse(self.beta[..., None] * self.kk * self.decay) if a_inv is None else a_inv
         self.bk = self.k * (self.beta * self.e)[..., None]  # [NC, H, G, C, K]
         rhs = torch.cat([self.v * self.beta[..., None], self.bk], -1)
-        uw = self.A_inv @ rhs
-        self.u, self.w = uw.split([self.v.shape[-1], self.k.shape[-1]], -1)
+        self.uw = self.A_inv @ rhs  # [U, W]: the backward's dA takes them together
+        self.u, self.w = self.uw.split([self.v.shape[-1], self.k.shape[-1]], -1)
         self.qe = self.q * self.e[..., None]  # [NC, H, G, C, K]
         self.attn = self.qk * self.decay
         self.k_out = self.k * self.out_decay[..., None]
@@ -131,14 +131,16 @@ def backward(do, o, saved, needs_grad, q, k, v, g, beta, cu_seqlens, cu_seqlens_
     # through U, W = A^-1 [beta v, beta e k]: d rhs = A^-T [dU, dW]; dA = -(d rhs) [U, W]^T on the strict lower part
     d_rhs = c.A_inv.transpose(-1, -2) @ torch.cat([d_v_new, d_w], -1)
     d_bv, d_bk = d_rhs.split([c.v.shape[-1], c.k.shape[-1]], -1)
-    d_A = -(d_bv @ c.u.transpose(-1, -2) + d_bk @ c.w.transpose(-1, -2)).tril(-1)
 
     # A = beta_i kk_ij decay_ij (strict lower), attn = qk_ij decay_ij
-    # each [C, C] product is formed once and reused: on CPU these elementwise passes dominate the backward
-    d_A_decay = d_A * c.decay
+    # each [C, C] product is formed once and reused: on CPU these elementwise passes dominate the backward. Only
+    # dA * decay is ever used, so it is formed in place, sign kept: decay is 0 above the diagonal, so zeroing the
+    # diagonal leaves the strict lower part, and the minus sign goes to the per-token factors instead of a pass
+    minus_d_A_decay = (d_rhs @ c.uw.transpose(-1, -2)).mul_(c.decay)
+    minus_d_A_decay.diagonal(dim1=-2, dim2=-1).zero_()
     d_attn_decay = d_attn * c.decay
-    d_beta = (d_A_decay * c.kk).sum(-1) + (d_bv * c.v).sum(-1) + (d_bk * c.k).sum(-1) * c.e
-    d_kk_pairs = d_A_decay * c.beta[..., None]
+    d_beta = (d_bv * c.v).sum(-1) + (d_bk * c.k).sum(-1) * c.e - (minus_d_A_decay * c.kk).sum(-1)
+    d_kk_pairs = minus_d_A_decay * c.beta.neg()[..., None]
     d_kk = d_kk_pairs.sum(2, keepdim=True)
     d_qk = d_attn_decay.sum(2, keepdim=True)
     d_decay_x_decay = torch.addcmul(d_kk_pairs * c.kk, d_attn_decay, c.qk)
