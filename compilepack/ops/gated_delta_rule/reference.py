@@ -110,7 +110,9 @@ def _chunk_start_states(u: Tensor, w: Tensor, k_out: Tensor, carry: Tensor) -> T
 
 
 def _heads_merged(*tensors: Tensor) -> list[Tensor]:
-    """``[NC, H, G, ...]`` -> ``[NC, H*G, ...]``; a view for every tensor the loops write into."""
+    """``[NC, H, G, ...]`` -> ``[NC, H*G, ...]``. A view for the contiguous states the loops create and write into
+    (and for the split and transposed inputs: H and G stay adjacent in memory); a copy only for an input laid out
+    otherwise, which the loops only read."""
     return [x.flatten(1, 2) for x in tensors]
 
 
