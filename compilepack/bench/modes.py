@@ -188,8 +188,8 @@ STOCK_INDUCTOR_FAILS = {
     "bamba": "InductorError: TypeError: cannot determine truth value of Relational: 1 < s27",
 }
 
-# What the default run leaves out (``--full`` runs every mode), and why: the default must finish in 6 minutes on
-# 2 idle cores with 3 timed rounds per mode.
+# What the default run leaves out (``--full`` runs every mode), and why: the default is sized for 6 minutes on 2 idle
+# cores with 3 timed rounds per mode (it took 383-426 s on 2026-12-01: docs/benchmarks.md, "What the default costs").
 LEFT_OUT_BY_DEFAULT = {
     "stock_padded_compiled": "a cold stock compile per family (25 s for Llama; on the hybrids inductor fails after "
                              "40-85 s with InductorError), so the default has no stock compile time to compare and "
