@@ -361,10 +361,12 @@ def test_shape_errors_name_the_argument(change, message):
         varlen_attention(**args)
 
 
-def test_boundaries_that_do_not_cover_the_tokens_are_refused():
+@pytest.mark.parametrize("bounds", [[0, 4, 6], [0, 6, 4, 8]], ids=["short of the tokens", "decreasing"])
+def test_boundaries_that_do_not_tile_the_tokens_are_refused(bounds):
     q, k, v = make_inputs(8)
-    with pytest.raises(ValueError, match="must start at 0 and end at the token count 8; got 0 ... 6"):
-        varlen_attention(q, k, v, torch.tensor([0, 4, 6], dtype=torch.int32), 4)
+    message = rf"must rise from 0 to the token count 8 without decreasing; got \[{', '.join(map(str, bounds))}\]"
+    with pytest.raises(ValueError, match=message):
+        varlen_attention(q, k, v, torch.tensor(bounds, dtype=torch.int32), 6)
 
 
 def test_unknown_backend_is_refused():

@@ -63,12 +63,14 @@ def backward(grad_out, out, saved, needs_grad, q, k, v, cu_seqlens, cu_seqlens_c
 
 
 def _documents(cu_seqlens: Tensor, cu_seqlens_cpu: Tensor | None, total: int) -> list[tuple[int, int]]:
-    """(start, end) of every non-empty document; refuses boundaries that do not cover the tokens exactly."""
+    """(start, end) of every non-empty document; refuses boundaries that do not tile the tokens exactly (start at
+    0, never decrease, end at the token count)."""
     bounds = host_boundaries(cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu)
-    if bounds[0] != 0 or bounds[-1] != total:
+    if bounds[0] != 0 or bounds[-1] != total or any(e < s for s, e in zip(bounds[:-1], bounds[1:])):
         raise ValueError(
-            f"varlen_attention: cu_seqlens must start at 0 and end at the token count {total}; "
-            f"got {bounds[0]} ... {bounds[-1]}. Tokens outside the documents would be dropped."
+            f"varlen_attention: cu_seqlens must rise from 0 to the token count {total} without decreasing; "
+            f"got {bounds[:4]} ... {bounds[-1]}. Tokens outside the documents would be dropped, tokens inside two "
+            f"of them attended twice."
         )
     return [(s, e) for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
 
