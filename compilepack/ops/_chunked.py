@@ -185,7 +185,7 @@ def define_delta_rule_op(name: str, reference: Path, fla: Path, fla_applies=None
     flag and the scale; the reference path, and fla's kernels on CUDA (where ``fla_applies``, if given)."""
     return define_op(
         name, signature=_signature, differentiable=("q", "k", "v", "g", "beta"), reference=reference,
-        kernels={"fla": fla}, kernel_applies=fla_applies,
+        kernels={"fla": fla}, kernel_applies=fla_applies, boundaries=("cu_seqlens", "cu_seqlens_cpu"),
     )
 
 

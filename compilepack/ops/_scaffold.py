@@ -43,6 +43,7 @@ import torch
 from torch import Tensor
 
 from .. import backends
+from ._common import refuse_steps_back
 
 PLACEHOLDER_SHAPE = (0,)  # what the backward op returns for an optional input that was None
 
@@ -84,6 +85,7 @@ def define_op(
     kernels: Mapping[str, Path] | None = None,
     kernel_applies: Callable[..., bool] | None = None,
     saves_output: bool = False,
+    boundaries: tuple[str, ...] = (),
 ) -> Op:
     """Register the custom op ``name`` (``"compilepack::..."``), its backward op, fakes and autograd.
 
@@ -96,11 +98,15 @@ def define_op(
         kernel_applies: static predicate on the inputs (shapes, dtypes) that a kernel path also needs; inputs
             it refuses run the reference.
         saves_output: whether the backward needs the forward's output (then saved too).
+        boundaries: the inputs that hold document boundaries (``cu_seqlens``, its host copy ``cu_seqlens_cpu``,
+            ``seq_idx``): the forward refuses them when they decrease, before any compute, where they can be read
+            for free: on the host, and from the host copy when one is given (``_common.refuse_steps_back``).
     """
-    parameters = _op_parameters(name, signature, differentiable)
+    parameters = _op_parameters(name, signature, differentiable + boundaries)
     names = [p.name for p in parameters]
     grad_positions = tuple(names.index(n) for n in differentiable)
-    paths = _Paths(name, reference, dict(kernels or {}), kernel_applies, grad_positions)
+    boundary_inputs = tuple((names.index(n), n) for n in boundaries)
+    paths = _Paths(name, reference, dict(kernels or {}), kernel_applies, grad_positions, boundary_inputs)
 
     # 1. the forward op, ``(*inputs) -> (out, saved)``, and its fake
     forward_op = _custom_op(name, paths.forward, parameters, tuple[Tensor, list[Tensor]])
@@ -124,13 +130,13 @@ def define_op(
     return Op(name, forward_op, backward_op, paths.path_of)
 
 
-def _op_parameters(name: str, signature: Callable, differentiable: tuple[str, ...]) -> list[inspect.Parameter]:
+def _op_parameters(name: str, signature: Callable, named: tuple[str, ...]) -> list[inspect.Parameter]:
     parameters = list(inspect.signature(signature).parameters.values())
     if parameters[-1].name != "backend":
         raise TypeError(f"{name}: the signature's last parameter must be 'backend: str'.")
-    unknown = set(differentiable) - {p.name for p in parameters}
+    unknown = set(named) - {p.name for p in parameters}
     if unknown:
-        raise TypeError(f"{name}: differentiable inputs {sorted(unknown)} are not in the signature.")
+        raise TypeError(f"{name}: inputs {sorted(unknown)} (differentiable or boundaries) are not in the signature.")
     return parameters
 
 
@@ -145,6 +151,7 @@ class _Paths:
     kernels: Mapping[str, Path]
     kernel_applies: Callable[..., bool] | None
     grad_positions: tuple[int, ...]  # where the differentiable inputs are among the inputs
+    boundary_inputs: tuple[tuple[int, str], ...]  # (position, name) of the boundary inputs
 
     def path_of(self, *inputs) -> Path:
         backend = inputs[-1]
@@ -157,8 +164,17 @@ class _Paths:
         return kernel
 
     def forward(self, *inputs):
+        self._refuse_decreasing_boundaries(inputs)
         with _autocast_off(inputs[0]):
             return self.path_of(*inputs).forward(*inputs[:-1])
+
+    def _refuse_decreasing_boundaries(self, inputs) -> None:
+        """Boundaries that decrease are refused before any compute; a host copy (``cu_seqlens_cpu``), when given,
+        is checked instead of the tensor it copies, so boundaries on a GPU are never read back."""
+        given = {argument: inputs[position] for position, argument in self.boundary_inputs}
+        for argument, boundaries in given.items():
+            if given.get(f"{argument}_cpu") is None:
+                refuse_steps_back(self.name.removeprefix("compilepack::"), argument, boundaries)
 
     def forward_fake(self, *inputs):
         return self.path_of(*inputs).fake(*inputs[:-1])

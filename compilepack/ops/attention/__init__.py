@@ -113,4 +113,5 @@ OP = define_op(
     reference=reference.PATH,
     kernels={"flash_attn": flash_attn.PATH, "torch_varlen": torch_varlen.PATH},
     saves_output=True,  # every backward (flash kernels, reference) reads the forward's output
+    boundaries=("cu_seqlens", "cu_seqlens_cpu"),
 )

@@ -91,4 +91,5 @@ OP = define_op(
     reference=reference.PATH,
     kernels={"causal_conv1d": causal_conv1d_kernel.PATH},
     kernel_applies=causal_conv1d_kernel.applies,
+    boundaries=("seq_idx",),
 )

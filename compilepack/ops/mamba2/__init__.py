@@ -106,4 +106,5 @@ OP = define_op(
     reference=reference.PATH,
     kernels={"mamba_ssm": mamba_ssm.PATH},
     saves_output=True,  # mamba-ssm's backward takes the forward's output
+    boundaries=("seq_idx",),
 )

@@ -123,4 +123,5 @@ OP = define_op(
     differentiable=("u", "delta", "A", "B", "C", "D", "z", "delta_bias"),
     reference=reference.PATH,
     kernels={},  # no library resets the scan inside a row: the reference runs on every device
+    boundaries=("seq_idx",),
 )
