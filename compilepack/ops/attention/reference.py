@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .._chunked import compute_dtype
-from .._common import host_boundaries
+from .._common import host_boundaries, refuse_steps_back
 from .._scaffold import Path
 
 # ``window_left`` when there is no sliding window: flash-attn's and torch's "unbounded" (-1), passed through as is
@@ -63,14 +63,17 @@ def backward(grad_out, out, saved, needs_grad, q, k, v, cu_seqlens, cu_seqlens_c
 
 
 def _documents(cu_seqlens: Tensor, cu_seqlens_cpu: Tensor | None, total: int) -> list[tuple[int, int]]:
-    """(start, end) of every non-empty document; refuses boundaries that do not tile the tokens exactly (start at
-    0, never decrease, end at the token count)."""
-    bounds = host_boundaries(cu_seqlens if cu_seqlens_cpu is None else cu_seqlens_cpu)
-    if bounds[0] != 0 or bounds[-1] != total or any(e < s for s, e in zip(bounds[:-1], bounds[1:])):
+    """(start, end) of every non-empty document; refuses boundaries that do not cover the tokens exactly."""
+    argument, boundaries = ("cu_seqlens", cu_seqlens) if cu_seqlens_cpu is None else ("cu_seqlens_cpu", cu_seqlens_cpu)
+    host = boundaries.cpu()  # itself on the host; on a CUDA reference call, the one copy this loop pays anyway
+    # the op's up-front check skipped boundaries off the host: a CUDA reference call without the host copy is
+    # checked here (on the host it repeats that check, a compare of N+1 ints)
+    refuse_steps_back("varlen_attention", argument, host)
+    bounds = host_boundaries(host)
+    if bounds[0] != 0 or bounds[-1] != total:
         raise ValueError(
-            f"varlen_attention: cu_seqlens must rise from 0 to the token count {total} without decreasing; "
-            f"got {bounds[:4]} ... {bounds[-1]}. Tokens outside the documents would be dropped, tokens inside two "
-            f"of them attended twice."
+            f"varlen_attention: cu_seqlens must start at 0 and end at the token count {total}; "
+            f"got {bounds[0]} ... {bounds[-1]}. Tokens outside the documents would be dropped."
         )
     return [(s, e) for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
 
