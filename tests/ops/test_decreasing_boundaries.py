@@ -25,13 +25,13 @@ def _inputs(seed: int, *shapes):
     return [torch.randn(*shape, generator=g) for shape in shapes]
 
 
-def _attention(cu, first_changed=False):
+def _attention(cu):
     q, k, v = _inputs(0, (T, 2, 8), (T, 2, 8), (T, 2, 8))
     return ops.varlen_attention(q, k, v, cu, T)
 
 
 def _delta_rule(op, per_channel):
-    def call(cu, first_changed=False):
+    def call(cu):
         q, k, v, g, beta = _inputs(1, (1, T, 2, 8), (1, T, 2, 8), (1, T, 2, 8), (1, T, 2, 8) if per_channel else (1, T, 2),
                                    (1, T, 2))
         return op(q, k, v, F.logsigmoid(g), beta.sigmoid(), cu)
@@ -52,7 +52,7 @@ def _mamba2(seq_idx, first_changed=False):
     return ops.mamba2_chunk_scan_varlen(x, dt, -A.abs(), B, C, 8, dt_softplus=True, seq_idx=seq_idx)
 
 
-def _selective_scan(seq_idx, first_changed=False):
+def _selective_scan(seq_idx):
     u, delta, A, B, C = _inputs(4, (1, 4, T), (1, 4, T), (4, 3), (1, 3, T), (1, 3, T))
     return ops.selective_scan_varlen(u, delta, -A.abs(), B, C, delta_softplus=True, seq_idx=seq_idx)
 
