@@ -51,8 +51,9 @@ def test_report_has_the_documented_shape(report):
         assert result["family"] == "llama" and result["error"] is None, result["error"]
         assert result["tokens_per_s_min"] <= result["tokens_per_s"] <= result["tokens_per_s_max"]
         assert [r["round"] for r in result["rounds"]] == [0, 1]
-        per_round = 3 if result["mode"].startswith("stock_grouped") else 1
-        assert len(result["timed"]) == 2 * per_round
+        # the grouped modes' long, middle and short step; the patched modes' arrival step as many times
+        per_round = 3 if result["mode"].startswith(("stock_grouped", "patched")) else 1
+        assert len(result["timed"]) == 2 * per_round and result["round_steps"] == [per_round] * 2
         for step in result["timed"]:
             assert step["tokens"] > 0 and step["seconds"] > 0 and step["load_avg"] is not None
     for bar in report["bars"]:
@@ -79,9 +80,13 @@ def test_figures_are_consistent(report):
     assert all(0 <= r["padding_frac"] < 1 for r in report["results"])
     assert by_mode["patched_packed_eager"]["padding_frac"] == 0  # the HF collator's row has no padding
     assert by_mode["stock_padded_eager"]["speedup_vs"]["stock_padded_eager"] == 1.0
-    # rounds are paired on the same documents: round r has the same real tokens in every arrival-order mode
-    tokens = {mode: [r["tokens"] for r in by_mode[mode]["rounds"]] for mode in by_mode if "grouped" not in mode}
-    assert len({tuple(t) for t in tokens.values()}) == 1, tokens
+    # rounds are paired on the same documents: round r has the same real tokens in every arrival-order mode's
+    # steps (the patched modes train on them 3 times)
+    tokens = {mode: {(step["round"], step["tokens"]) for step in by_mode[mode]["timed"]}
+              for mode in by_mode if "grouped" not in mode}
+    assert len({tuple(sorted(t)) for t in tokens.values()}) == 1 and len(tokens["stock_packed"]) == 2, tokens
+    assert [r["tokens"] for r in by_mode["patched_packed_eager"]["rounds"]] == [
+        3 * r["tokens"] for r in by_mode["stock_packed"]["rounds"]]
     # the step in round r that ran at position p of the rotated order
     for mode, result in by_mode.items():
         for entry in result["rounds"]:
@@ -108,9 +113,9 @@ def test_round_robin_visits_every_mode_once_per_round_and_rotates():
 class FakeWorker:
     """Records the driver's calls; fails where told."""
 
-    def __init__(self, mode, calls, fail_ready=False, fail_round=None):
+    def __init__(self, mode, calls, fail_ready=False, fail_round=None, round_steps=None):
         self.spec, self.result, self.calls = mode, {"mode": mode, "error": None}, calls
-        self.fail_ready, self.fail_round = fail_ready, fail_round
+        self.fail_ready, self.fail_round, self.round_steps = fail_ready, fail_round, round_steps
 
     def start(self):
         self.calls.append(("start", self.spec))
@@ -119,10 +124,12 @@ class FakeWorker:
         self.calls.append(("ready", self.spec))
         if self.fail_ready:
             self.result["error"] = "ValueError: refused"
+        if self.round_steps:
+            self.result["round_steps"] = self.round_steps
         return not self.fail_ready
 
-    def run_round(self, index, position, timeout_s):
-        self.calls.append(("round", index, position, self.spec))
+    def run_round(self, index, position, timeout_s, part=None):
+        self.calls.append(("round", index, position, self.spec) + ((part,) if self.round_steps else ()))
         if index == self.fail_round:
             self.result["error"] = "TimeoutError: did not finish round 2"
             return False
@@ -151,6 +158,33 @@ def test_driver_warms_every_worker_before_any_round_and_skips_ended_modes():
     assert results[1]["error"].startswith("ValueError") and results[2]["error"].startswith("TimeoutError")
 
 
+def test_rounds_of_several_steps_are_interleaved_step_by_step():
+    """A round's steps alternate with the other modes' (the round's order, rotated per round, at every step), so
+    the steps a paired ratio compares lie side by side in time; a mode with fewer steps drops out early."""
+    calls = []
+    workers = {"one": FakeWorker("one", calls, round_steps=[1, 1]),
+               "three": FakeWorker("three", calls, round_steps=[3, 3]),
+               "also3": FakeWorker("also3", calls, round_steps=[3, 3])}
+    run_family(workers, rounds=2, warmup_timeout_s=1, step_timeout_s=1)
+    steps = [(call[1], call[3], call[4]) for call in calls if call[0] == "round"]
+    assert steps == [(0, "one", 0), (0, "three", 0), (0, "also3", 0), (0, "three", 1), (0, "also3", 1),
+                     (0, "three", 2), (0, "also3", 2),
+                     (1, "three", 0), (1, "also3", 0), (1, "one", 0), (1, "three", 1), (1, "also3", 1),
+                     (1, "three", 2), (1, "also3", 2)]
+    positions = {(call[1], call[3]): call[2] for call in calls if call[0] == "round"}
+    assert positions == {(0, "one"): 0, (0, "three"): 1, (0, "also3"): 2,
+                         (1, "three"): 0, (1, "also3"): 1, (1, "one"): 2}
+
+
+def test_a_mode_failing_inside_an_interleaved_round_runs_no_further_step():
+    calls, done = [], []
+    workers = {"a": FakeWorker("a", calls, round_steps=[3, 3], fail_round=0), "b": FakeWorker("b", calls, round_steps=[3, 3])}
+    run_family(workers, rounds=2, warmup_timeout_s=1, step_timeout_s=1, on_done=lambda mode, what: done.append((mode, what)))
+    assert [call[3] for call in calls if call[0] == "round" and call[3] == "a"] == ["a"]  # its first step failed
+    assert [call for call in calls if call[0] == "round" and call[3] == "b"][-1][1] == 1  # b ran both rounds
+    assert done == [("a", "ready"), ("b", "ready"), ("a", "ended"), ("b", "round"), ("b", "round")]
+
+
 def test_serial_warmup_starts_each_worker_after_the_previous_one_is_ready():
     calls = []
     run_family({m: FakeWorker(m, calls) for m in "ab"}, rounds=1, warmup_timeout_s=1, step_timeout_s=1,
@@ -167,7 +201,10 @@ def test_warm_workers_run_their_rounds_in_turn(isolation, tmp_path):
                                    log_path=str(tmp_path / f"{name}.log"))) for name in names}
     results = run_family(workers, rounds=2, warmup_timeout_s=120, step_timeout_s=120)
     positions = {r["mode"]: [(step["round"], step["position"]) for step in r["timed"]] for r in results}
-    assert positions == {"stock_padded_eager": [(0, 0), (1, 1)], "patched_packed_eager": [(0, 1), (1, 0)]}
+    # the patched mode trains on its round's arrival step as many times as the grouped mode has steps (3)
+    assert positions == {"stock_padded_eager": [(0, 0), (1, 1)],
+                         "patched_packed_eager": [(0, 1)] * 3 + [(1, 0)] * 3}
+    assert [r["round_steps"] for r in results] == [[1, 1], [3, 3]]
     assert all(r["error"] is None and r["tokens_per_s"] > 0 and r["peak_mem_mb"] is not None for r in results)
     assert len(bars.paired_ratios(results[1], results[0])) == 2
 

@@ -62,8 +62,9 @@ class ProcessWorker:
         self.result["warmup_wall_s"] = self.result.get("warmup_wall_s") or round(time.monotonic() - self._started, 1)
         return ok
 
-    def run_round(self, index: int, position: int, timeout_s: float) -> bool:
-        if not self._send(("round", index, position)):
+    def run_round(self, index: int, position: int, timeout_s: float, part: int | None = None) -> bool:
+        """Timed round ``index`` (its step ``part`` only, when given) at ``position`` in the round's order."""
+        if not self._send(("round", index, position, part)):
             return False
         self.phase = f"round {index + 1}"  # until the worker says more
         return self._await("round", time.monotonic() + timeout_s, timeout_s, f"round {index + 1}")
@@ -144,8 +145,8 @@ class LocalWorker:
     def await_ready(self, timeout_s: float) -> bool:
         return self._session.prepare()
 
-    def run_round(self, index: int, position: int, timeout_s: float) -> bool:
-        return self._session.run_round(index, position)
+    def run_round(self, index: int, position: int, timeout_s: float, part: int | None = None) -> bool:
+        return self._session.run_round(index, position, part)
 
     def finish(self, timeout_s: float) -> dict:
         self.result = self._session.finish()

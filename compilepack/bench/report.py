@@ -75,7 +75,8 @@ def markdown(report: dict) -> str:
          f"{report['threads']} threads on {report['cores']} cores; compile backend `{settings['compile_backend']}`; "
          f"{settings['config']} configs; {settings['tokens_per_step']} real tokens per step at most; "
          f"{settings['warmup_steps']} warm-up step + {settings['steps']} timed rounds per mode, round-robin across "
-         f"a family's warm workers (round r starts at mode r; warm-up {settings.get('warmup', 'concurrent')}); "
+         f"a family's warm workers (round r starts at mode r; warm-up {settings.get('warmup', 'concurrent')}"
+         f"{_interleaving(settings)}); "
          f"inductor cache: {settings['inductor_cache']}; allocator `{settings.get('allocator', 'system')}`; "
          f"{settings.get('widths', 'bench')} widths; run wall time {report['wall_s']:.0f} s; "
          f"1-minute load average during the timed steps {_load_range(report['results'])}."),
@@ -144,6 +145,14 @@ def _profile_sections(results: list[dict]) -> list[str]:
                   "| op | self CPU ms | share | calls |", "|---|--:|--:|--:|"]
         lines += [f"| `{e['op']}` | {e['self_cpu_ms']:.0f} | {e['share']:.0%} | {e['calls']} |" for e in r["profile_top"]]
     return lines
+
+
+def _interleaving(settings: dict) -> str:
+    """How a round's steps were taken (reports before 2026-12-02 ran each mode's round whole and say nothing)."""
+    if settings.get("interleaved") != "step by step":
+        return ""
+    return (f"; rounds interleaved step by step, the patched modes training on their round's arrival step "
+            f"{settings['patched_steps_per_round']} times")
 
 
 def _load_range(results: list[dict]) -> str:

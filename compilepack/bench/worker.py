@@ -65,8 +65,8 @@ def empty_result(spec: ModeSpec) -> dict:
 
 class ModeSession:
     """One mode's state between commands. ``prepare()``: batches, model, the logits-alone check, patch, compile,
-    warm-up steps; ``run_round(r, position)``: timed round ``r`` (one step, or the grouped mode's long, middle
-    and short steps); ``finish()``: the optional profile and peak memory, and the figures. ``prepare`` and
+    warm-up steps; ``run_round(r, position, part)``: timed round ``r`` (its arrival step, once or repeated, or the
+    grouped mode's long, middle and short steps), or only its step ``part``; ``finish()``: the optional profile and peak memory, and the figures. ``prepare`` and
     ``run_round`` return False when the mode failed: the exception is the result's ``error`` (a stock model
     refusing a packed batch is a result, not a crash) and the traceback goes to the mode's log. ``result``
     always holds every figure measured so far, summarized after each round."""
@@ -87,9 +87,11 @@ class ModeSession:
         self._rss.pause()
         return ok
 
-    def run_round(self, index: int, position: int = 0) -> bool:
+    def run_round(self, index: int, position: int = 0, part: int | None = None) -> bool:
+        """Timed round ``index``: every step of it, or its step ``part`` only (the driver interleaves rounds of
+        several steps step by step)."""
         self._rss.resume()
-        ok = self._attempt(lambda: self._run_round(index, position))
+        ok = self._attempt(lambda: self._run_round(index, position, part))
         self._rss.pause()
         return ok
 
@@ -134,6 +136,7 @@ class ModeSession:
         else:
             warmup, self._rounds = self._mode.batches_of([list(doc) for doc in spec.step], spec.workload)
         _record_padding(result, [batch for batches in self._rounds for batch in batches])
+        result["round_steps"] = [len(batches) for batches in self._rounds]  # what the driver interleaves
         self._phase("building model")
         model = build_model(family, spec.config, spec.workload.seed, spec.widths).to(self._device)
         result["params_m"] = round(sum(p.numel() for p in model.parameters()) / 1e6, 2)
@@ -160,9 +163,11 @@ class ModeSession:
         result["warmup_steps"] = len(warmup)
         self._summarize()
 
-    def _run_round(self, index: int, position: int) -> None:
+    def _run_round(self, index: int, position: int, part: int | None) -> None:
         batches = self._rounds[index]
-        for part, batch in enumerate(batches):
+        parts = range(len(batches)) if part is None else [part]
+        for part in parts:
+            batch = batches[part]
             phase = f"round {index + 1}/{len(self._rounds)}"
             self._phase(phase + (f", step {part + 1}/{len(batches)}" if len(batches) > 1 else ""))
             load = measure.load_average()
@@ -275,7 +280,7 @@ def summarize_rounds(timed: list[dict]) -> dict:
 
 def serve(spec: ModeSpec, connection) -> None:
     """Worker process entry point. Sends ("progress", phase, figures so far) while working, ("ready", figures)
-    once warmed up, ("round", figures) after each ("round", index, position) command, and ("result", figures)
+    once warmed up, ("round", figures) after each ("round", index, position, part) command, and ("result", figures)
     after ("finish",) or when the mode failed; so a worker stopped from outside still reports what it measured."""
     with _output_to(spec.log_path):
         if spec.inductor_cache_dir:
@@ -289,7 +294,7 @@ def serve(spec: ModeSpec, connection) -> None:
                     command = connection.recv()
                 except EOFError:  # the driver is gone
                     return
-                if command[0] != "round" or not session.run_round(command[1], command[2]):
+                if command[0] != "round" or not session.run_round(*command[1:]):
                     break
                 connection.send(("round", dict(session.result)))
         connection.send(("result", session.finish()))
