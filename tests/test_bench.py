@@ -437,6 +437,24 @@ def measure_module_model(family):
     return build_model(family_named(family), tiny_config(family_named(family)), seed=0)
 
 
+def test_patched_rounds_repeat_their_arrival_step_unless_nothing_is_interleaved(tmp_path):
+    """Interleaved with the grouped mode's 3 steps, a patched round trains 3 times on its arrival step; one mode at a
+    time (real widths: 10-60 s steps) once, and the report says so."""
+    patched, grouped = modes.mode_named("patched_packed_eager"), modes.mode_named("stock_grouped_eager")
+    assert [len(r) for r in patched.batches(TINY)[1]] == [len(r) for r in grouped.batches(TINY)[1]] == [3, 3]
+    alone = modes.Workload(tokens_per_step=256, steps=2, patched_repeats=1)
+    assert [len(r) for r in patched.batches(alone)[1]] == [1, 1]
+    assert [len(r) for r in modes.mode_named("stock_packed").batches(TINY)[1]] == [1, 1]
+    argv = ["bench", "--model", "llama", "--modes", "patched_packed_eager", "--tokens-per-step", "256", "--steps",
+            "1", "--warmup", "one-at-a-time", "--no-progress", "--no-plot", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    (json_path,) = tmp_path.glob("cpu-*.json")
+    written = json.loads(json_path.read_text())
+    assert written["results"][0]["round_steps"] == [1]
+    assert written["settings"]["interleaved"] == "one mode at a time"
+    assert written["settings"]["patched_steps_per_round"] == 1
+
+
 def test_one_at_a_time_finishes_each_mode_before_the_next_starts():
     calls = []
     workers = {m: FakeWorker(m, calls, fail_round=1 if m == "a" else None) for m in "ab"}

@@ -87,8 +87,9 @@ def run(args) -> int:
     families = resolve_families(args.model, args.widths)
     modes, mode_set, left_out = resolve_modes(args.modes, args.full, args.widths)
     args.mode_set = mode_set
+    # one mode at a time (real widths: 10-60 s steps) nothing is interleaved, so a patched round is one step
     workload = Workload(tokens_per_step=args.tokens_per_step, steps=args.steps, warmup_steps=args.warmup_steps,
-                        seed=args.seed)
+                        seed=args.seed, patched_repeats=1 if args.warmup == "one-at-a-time" else None)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     widths = "" if args.widths == "bench" else f"{args.widths}-"
@@ -315,7 +316,7 @@ def _report(args, results: list[dict], workload, wall_s: float, modes, mode_set,
             "round_order": [round_order(list(modes), index) for index in range(workload.steps)],
             # rounds.run_family: a round's steps alternate with the other modes' (not with one-at-a-time warm-up)
             "interleaved": "one mode at a time" if args.warmup == "one-at-a-time" else "step by step",
-            "patched_steps_per_round": workload.grouped_per_round,
+            "patched_steps_per_round": workload.patched_repeats or workload.grouped_per_round,
             "warmup": args.warmup,
             "seed": workload.seed,
             "compile_backend": args.compile_backend,

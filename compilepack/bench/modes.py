@@ -43,6 +43,9 @@ class Workload:
     warmup_steps: int = 1
     group_pool: int = 50  # HF's LengthGroupedSampler sorts mega-batches of 50 batches
     grouped_per_round: int = 3  # grouped steps per round: long, middle and short documents all represented
+    # times a patched mode trains on its round's arrival step (None: grouped_per_round, to interleave with the
+    # grouped steps; 1 where nothing is interleaved, one mode at a time)
+    patched_repeats: int | None = None
     seed: int = 0
     mix: data.LengthMix = dataclasses.field(default_factory=data.LengthMix)
 
@@ -126,8 +129,11 @@ class Mode:
         """How many times a round trains on its arrival step: the patched modes as many times as the grouped mode
         has steps in a round, so that the driver interleaves the two step by step and a paired ratio compares
         steps taken side by side in time (one patched step against three grouped ones spread its ratios by 0.06 on
-        2026-12-02; ``rounds``); the stock padded and packed modes, whose steps cost 3-20x more, once."""
-        return workload.grouped_per_round if self.patched else 1
+        2026-12-02; ``rounds``), or ``workload.patched_repeats`` times when given; the stock padded and packed
+        modes, whose steps cost 3-20x more, once."""
+        if not self.patched:
+            return 1
+        return workload.grouped_per_round if workload.patched_repeats is None else workload.patched_repeats
 
     def batches_of(self, step: list[list[int]], workload: Workload) -> tuple[list[Batch], list[list[Batch]]]:
         """(warm-up batches, timed batches of each round) when every round trains on the same given documents
