@@ -66,8 +66,8 @@ def empty_result(spec: ModeSpec) -> dict:
 class ModeSession:
     """One mode's state between commands. ``prepare()``: batches, model, the logits-alone check, patch, compile,
     warm-up steps; ``run_round(r, position, part)``: timed round ``r`` (its arrival step, once or repeated, or the
-    grouped mode's long, middle and short steps), or only its step ``part``; ``finish()``: the optional profile and peak memory, and the figures. ``prepare`` and
-    ``run_round`` return False when the mode failed: the exception is the result's ``error`` (a stock model
+    grouped mode's long, middle and short steps), or only its step ``part``; ``finish()``: the optional profile
+    and peak memory, and the figures. ``prepare`` and ``run_round`` return False when the mode failed: the exception is the result's ``error`` (a stock model
     refusing a packed batch is a result, not a crash) and the traceback goes to the mode's log. ``result``
     always holds every figure measured so far, summarized after each round."""
 
@@ -280,8 +280,8 @@ def summarize_rounds(timed: list[dict]) -> dict:
 
 def serve(spec: ModeSpec, connection) -> None:
     """Worker process entry point. Sends ("progress", phase, figures so far) while working, ("ready", figures)
-    once warmed up, ("round", figures) after each ("round", index, position, part) command, and ("result", figures)
-    after ("finish",) or when the mode failed; so a worker stopped from outside still reports what it measured."""
+    once warmed up, ("round", figures) after each ("round", index, position, part) command, and ("result",
+    figures) after ("finish",) or when the mode failed; so a worker stopped from outside still reports what it measured."""
     with _output_to(spec.log_path):
         if spec.inductor_cache_dir:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = spec.inductor_cache_dir
