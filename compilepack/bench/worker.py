@@ -67,9 +67,10 @@ class ModeSession:
     """One mode's state between commands. ``prepare()``: batches, model, the logits-alone check, patch, compile,
     warm-up steps; ``run_round(r, position, part)``: timed round ``r`` (its arrival step, once or repeated, or the
     grouped mode's long, middle and short steps), or only its step ``part``; ``finish()``: the optional profile
-    and peak memory, and the figures. ``prepare`` and ``run_round`` return False when the mode failed: the exception is the result's ``error`` (a stock model
-    refusing a packed batch is a result, not a crash) and the traceback goes to the mode's log. ``result``
-    always holds every figure measured so far, summarized after each round."""
+    and peak memory, and the figures. ``prepare`` and ``run_round`` return False when the mode failed: the
+    exception is the result's ``error`` (a stock model refusing a packed batch is a result, not a crash) and the
+    traceback goes to the mode's log. ``result`` always holds every figure measured so far, summarized after each
+    round."""
 
     def __init__(self, spec: ModeSpec, report=lambda phase, figures: None):
         self.spec = spec
