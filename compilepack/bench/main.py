@@ -316,7 +316,7 @@ def _report(args, results: list[dict], workload, wall_s: float, modes, mode_set,
             "round_order": [round_order(list(modes), index) for index in range(workload.steps)],
             # rounds.run_family: a round's steps alternate with the other modes' (not with one-at-a-time warm-up)
             "interleaved": "one mode at a time" if args.warmup == "one-at-a-time" else "step by step",
-            "patched_steps_per_round": workload.patched_repeats or workload.grouped_per_round,
+            "patched_steps_per_round": workload.patched_steps_per_round,
             "warmup": args.warmup,
             "seed": workload.seed,
             "compile_backend": args.compile_backend,

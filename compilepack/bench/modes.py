@@ -49,6 +49,12 @@ class Workload:
     seed: int = 0
     mix: data.LengthMix = dataclasses.field(default_factory=data.LengthMix)
 
+    @property
+    def patched_steps_per_round(self) -> int:
+        """How many times a patched mode trains on its round's arrival step (``patched_repeats``, or as many times
+        as the grouped mode has steps in a round)."""
+        return self.grouped_per_round if self.patched_repeats is None else self.patched_repeats
+
     def arrival_steps(self) -> tuple[list, list]:
         """(warm-up steps, timed steps), each a list of documents in arrival order; timed step ``r`` is round r."""
         steps = self._steps(self.warmup_steps + self.steps)
@@ -131,9 +137,7 @@ class Mode:
         steps taken side by side in time (one patched step against three grouped ones spread its ratios by 0.06 on
         2026-12-02; ``rounds``), or ``workload.patched_repeats`` times when given; the stock padded and packed
         modes, whose steps cost 3-20x more, once."""
-        if not self.patched:
-            return 1
-        return workload.grouped_per_round if workload.patched_repeats is None else workload.patched_repeats
+        return workload.patched_steps_per_round if self.patched else 1
 
     def batches_of(self, step: list[list[int]], workload: Workload) -> tuple[list[Batch], list[list[Batch]]]:
         """(warm-up batches, timed batches of each round) when every round trains on the same given documents
