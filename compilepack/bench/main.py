@@ -9,6 +9,7 @@ and ``.png``; see docs/benchmarks.md.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import pathlib
@@ -49,14 +50,20 @@ def add_arguments(parser) -> None:
     parser.add_argument("--step-timeout", type=float, default=None,
                         help="seconds a mode may take for one timed round, a stop for a step that hangs, not a "
                              "budget: on 2 idle cores the slowest round takes ~17 s (default: 300; 1800 with --widths real)")
-    parser.add_argument("--warmup", choices=("concurrent", "serial", "one-at-a-time"), default=None,
-                        help="concurrent: a family's workers warm up (compile) together, faster (default); "
-                             "serial: one after another, compile times without contention; one-at-a-time: each "
+    parser.add_argument("--warmup", choices=("compiles-first", "concurrent", "serial", "one-at-a-time"), default=None,
+                        help="compiles-first: the compiled modes of every family get ready first, one compile "
+                             "per core at a time, then each family's eager modes together, before its rounds "
+                             "(default); concurrent: a family's workers warm up (compile) together, before its "
+                             "rounds; serial: one after another, compile times without contention; one-at-a-time: each "
                              "mode runs all its rounds and exits before the next starts, so one model is held at a "
                              "time (the default with --widths real), rounds no longer side by side")
     parser.add_argument("--inductor-cache", choices=("fresh", "shared"), default="fresh",
                         help="fresh: every mode compiles cold, from an empty inductor cache (default); "
                              "shared: use torch's usual on-disk cache (faster reruns, warm compile times)")
+    parser.add_argument("--specialize-float", action=argparse.BooleanOptionalAction, default=True,
+                        help="compile with torch._dynamo.config.specialize_float = True, stock and patched alike: "
+                             "modules' float attributes become constants and dynamo does not restart its analysis "
+                             "(11-13 s of a ~55 s cold Llama compile); --no-specialize-float keeps torch's default")
     parser.add_argument("--allocator", choices=("keep", "system"), default="keep",
                         help="keep: each worker's allocator keeps freed memory for reuse, as the CUDA caching "
                              "allocator does (glibc otherwise page-faults every block over 32 MB again at each "
@@ -115,7 +122,7 @@ def run(args) -> int:
 REAL_DEFAULTS = {"steps": 2, "tokens_per_step": 512, "warmup": "one-at-a-time", "mode_timeout": 900.0,
                  "step_timeout": 1800.0,
                  "modes": ("stock_grouped_eager", "patched_packed_eager")}
-BENCH_DEFAULTS = {"steps": 3, "tokens_per_step": 8192, "warmup": "concurrent", "mode_timeout": 120.0,
+BENCH_DEFAULTS = {"steps": 3, "tokens_per_step": 8192, "warmup": "compiles-first", "mode_timeout": 120.0,
                   "step_timeout": 300.0}
 REAL_LEFT_OUT = ("at real widths a CPU step is 85-95% dense matmuls (the LM head and the projections), which "
                  "compiling does not change, and each compiled mode costs a cold compile; give --modes to run it")
@@ -170,10 +177,10 @@ def resolve_modes(text: str | None, full: bool = False, widths: str = "bench") -
 
 
 def _run_all(args, families, modes, workload, scratch: pathlib.Path, log_dir: pathlib.Path) -> list[dict]:
-    from .report import write_json
     from tqdm import tqdm
 
-    from .rounds import run_family
+    from .report import write_json
+    from .rounds import run_family, warm_up_in_lanes
 
     log_dir.mkdir(parents=True, exist_ok=True)
     make_worker = _worker_factory(args.isolation, families)
@@ -181,29 +188,53 @@ def _run_all(args, families, modes, workload, scratch: pathlib.Path, log_dir: pa
     units = len(modes) * (1 + workload.steps)  # per family: each mode's warm-up and its rounds
     with tqdm(total=units * len(families), desc="bench", unit="step", disable=args.no_progress,
               dynamic_ncols=True) as bar:
-        for family in families:
-            done_before = bar.n
-            workers = {mode: make_worker(_spec(args, family, mode, workload, scratch, log_dir),
-                                         _phase_shower(bar, family, mode))
-                       for mode in modes}
-            load_before = _load_average()
-            family_results = run_family(
-                workers, workload.steps, args.mode_timeout, args.step_timeout, concurrent=args.warmup == "concurrent",
-                on_done=lambda mode, what: bar.update(1) if what != "ended" else None,
-                one_at_a_time=args.warmup == "one-at-a-time",
-            )
-            load_after = _load_average()
-            for result in family_results:
-                # other processes on the machine slow every figure: keep the load next to the figures it affected
-                result["load_avg"] = [load_before, load_after]
-                result["timeout_s"] = args.mode_timeout if args.isolation == "process" else None
-                bar.write(_one_line(result))
-            results += family_results
-            # what is measured so far, in case the run is stopped (a real-width run takes tens of minutes)
-            write_json({"partial": True, "families_done": list(dict.fromkeys(r["family"] for r in results)),
-                        "results": results}, log_dir / "partial.json")
-            bar.update(done_before + units - bar.n)  # a mode that ended early skips its remaining rounds
+        workers = {family: {mode: make_worker(_spec(args, family, mode, workload, scratch, log_dir),
+                                              _phase_shower(bar, family, mode)) for mode in modes}
+                   for family in families}
+        count = lambda key, what: bar.update(1) if what != "ended" else None  # noqa: E731
+        try:
+            warm = {}
+            if args.warmup == "compiles-first":  # every family's compiles first, as many at a time as cores
+                early = {(family, mode): w for family, by_mode in workers.items() for mode, w in by_mode.items()
+                         if _compiles(mode)}
+                warm = warm_up_in_lanes(early, _compile_lanes(), args.mode_timeout, count)
+            for family in families:
+                done_before = bar.n
+                family_warm = {mode: ok for (name, mode), ok in warm.items() if name == family}
+                load_before = _load_average()
+                family_results = run_family(
+                    workers[family], workload.steps, args.mode_timeout, args.step_timeout,
+                    concurrent=args.warmup != "serial", on_done=count,
+                    one_at_a_time=args.warmup == "one-at-a-time", warm=family_warm,
+                )
+                load_after = _load_average()
+                for result in family_results:
+                    # other processes on the machine slow every figure: keep the load next to the figures it affected
+                    result["load_avg"] = [load_before, load_after]
+                    result["timeout_s"] = args.mode_timeout if args.isolation == "process" else None
+                    bar.write(_one_line(result))
+                results += family_results
+                # what is measured so far, in case the run is stopped (a real-width run takes tens of minutes)
+                write_json({"partial": True, "families_done": list(dict.fromkeys(r["family"] for r in results)),
+                            "results": results}, log_dir / "partial.json")
+                # a mode that ended early skips its remaining rounds; warm-ups counted before are not counted again
+                bar.update(done_before + units - len(family_warm) - bar.n)
+        finally:
+            for by_mode in workers.values():
+                for worker in by_mode.values():
+                    worker.stop()
     return results
+
+
+def _compiles(mode: str) -> bool:
+    from .modes import EAGER, mode_named
+
+    return mode_named(mode).compile is not EAGER
+
+
+def _compile_lanes() -> int:
+    """Cold compiles run at once under ``--warmup compiles-first``: one per core (a compile keeps about one busy)."""
+    return max(1, os.cpu_count() or 1)
 
 
 def _spec(args, family, mode, workload, scratch: pathlib.Path, log_dir: pathlib.Path):
@@ -214,7 +245,7 @@ def _spec(args, family, mode, workload, scratch: pathlib.Path, log_dir: pathlib.
         threads=args.threads, log_path=str(log_dir / f"{family}-{mode}.log"),
         inductor_cache_dir=_cache_dir(args.inductor_cache, scratch, family, mode), profile=args.profile,
         widths=args.widths, time_split=args.time_split, skip_known_failures=args.mode_set == "default",
-        allocator=args.allocator,
+        allocator=args.allocator, specialize_float=args.specialize_float,
     )
 
 
@@ -328,6 +359,8 @@ def _report(args, results: list[dict], workload, wall_s: float, modes, mode_set,
             "inductor_cache": "fresh per mode (cold compiles)" if args.inductor_cache == "fresh" else "shared",
             "isolation": args.isolation,
             "allocator": args.allocator,
+            "specialize_float": args.specialize_float,
+            "compile_lanes": _compile_lanes() if args.warmup == "compiles-first" else None,
         },
         "workload": _workload_summary(workload),
         "results": results,

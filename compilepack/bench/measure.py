@@ -112,6 +112,21 @@ def timed():
         end = time.perf_counter()
 
 
+def process_tree_cpu_s() -> float:
+    """CPU seconds (user + system) used so far by this process and every live descendant, with the children each
+    has waited for: a compile's g++ runs happen in inductor's compile-worker processes. Unlike wall time it does
+    not grow when other processes share the cores, so compiles taken side by side stay comparable."""
+    import psutil
+
+    total = 0.0
+    me = psutil.Process()
+    for process in [me, *me.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):  # a compile worker that just exited
+            times = process.cpu_times()
+            total += times.user + times.system + times.children_user + times.children_system
+    return total
+
+
 def doc_spans(batch: dict, docs: list[list[int]]) -> list[tuple[int, int, int]]:
     """(row, start, end) of each of ``docs`` inside ``batch``: row ``i`` of a padded batch, or wherever the
     document's tokens sit in a packed batch (collators may reorder documents)."""

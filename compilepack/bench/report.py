@@ -75,9 +75,10 @@ def markdown(report: dict) -> str:
          f"{report['threads']} threads on {report['cores']} cores; compile backend `{settings['compile_backend']}`; "
          f"{settings['config']} configs; {settings['tokens_per_step']} real tokens per step at most; "
          f"{settings['warmup_steps']} warm-up step + {settings['steps']} timed rounds per mode, round-robin across "
-         f"a family's warm workers (round r starts at mode r; warm-up {settings.get('warmup', 'concurrent')}"
+         f"a family's warm workers (round r starts at mode r; warm-up {_warmup(settings)}"
          f"{_interleaving(settings)}); "
-         f"inductor cache: {settings['inductor_cache']}; allocator `{settings.get('allocator', 'system')}`; "
+         f"inductor cache: {settings['inductor_cache']}{_float_setting(settings)}; "
+         f"allocator `{settings.get('allocator', 'system')}`; "
          f"{settings.get('widths', 'bench')} widths; run wall time {report['wall_s']:.0f} s; "
          f"1-minute load average during the timed steps {_load_range(report['results'])}."),
         "",
@@ -89,7 +90,7 @@ def markdown(report: dict) -> str:
          "over the other's in the same round)."),
         "",
         ("| family | mode | tokens/s | x padded eager | x padded compiled | x grouped | x grouped compiled | compile s "
-         "| graphs / breaks | compiles | peak MB | max logit diff | padding | error / note |"),
+         "(CPU s) | graphs / breaks | compiles | peak MB | max logit diff | padding | error / note |"),
         "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|",
     ]
     lines += [_markdown_row(r) for r in report["results"]]
@@ -147,6 +148,26 @@ def _profile_sections(results: list[dict]) -> list[str]:
     return lines
 
 
+def compile_cell(r: dict) -> str:
+    """The cold compile's wall seconds, with its CPU seconds (the process and its compile workers) in brackets:
+    wall time grows when compiles share the cores, CPU time does not."""
+    text = cell(r.get("compile_s"), "{:.1f}")
+    return text + (f" ({r['compile_cpu_s']:.1f})" if r.get("compile_cpu_s") is not None else "")
+
+
+def _warmup(settings: dict) -> str:
+    warmup = settings.get("warmup", "concurrent")
+    lanes = settings.get("compile_lanes")
+    return f"{warmup}, {lanes} compiles at a time" if warmup == "compiles-first" and lanes else warmup
+
+
+def _float_setting(settings: dict) -> str:
+    """How dynamo traced float attributes (reports before 2026-12-02 used torch's default and say nothing)."""
+    if settings.get("specialize_float") is None:
+        return ""
+    return f"; dynamo `specialize_float={settings['specialize_float']}` (stock and patched alike)"
+
+
 def _interleaving(settings: dict) -> str:
     """How a round's steps were taken (reports before 2026-12-02 ran each mode's round whole and say nothing)."""
     if settings.get("interleaved") != "step by step":
@@ -183,7 +204,7 @@ def _markdown_row(r: dict) -> str:
         r["mode"],
         tokens_cell(r),
         *(_speedup_cell(r, base) for base in RATIO_BASES),
-        cell(r.get("compile_s"), "{:.1f}"),
+        compile_cell(r),
         _graphs(r),
         cell(r.get("compiles"), "{}"),
         cell(r.get("peak_mem_mb"), "{:.0f}"),
@@ -280,7 +301,7 @@ def print_console(report: dict) -> None:
         table.add_row(
             r["family"], r["mode"], tokens_cell(r),
             *(_speedup_cell(r, base) for base in RATIO_BASES),
-            cell(r.get("compile_s"), "{:.1f}"), _graphs(r), cell(r.get("compiles"), "{}"),
+            compile_cell(r), _graphs(r), cell(r.get("compiles"), "{}"),
             cell(r.get("peak_mem_mb"), "{:.0f}"), cell(r.get("max_logit_diff"), "{:.1e}"),
             cell(r.get("padding_frac"), "{:.0%}"), escape(_issue(r)[:60]),
         )

@@ -8,8 +8,15 @@ check, patch, compile, warm-up. Then round ``r`` asks every ready worker, one at
 modes' arrival step, repeated as often) is interleaved step by step with the other modes' rounds, so the steps
 that a paired ratio compares lie next to each other in time. While one worker runs its step the others wait on
 their pipes, doing nothing. A load change on the machine therefore hits every mode of a round alike, and the ratio
-of two modes' tokens/s in the same round (the bars' paired ratios) cancels it. Only one family's workers are alive
-at a time, which bounds memory.
+of two modes' tokens/s in the same round (the bars' paired ratios) cancels it. Only one family's eager workers are alive
+at a time, which bounds memory (a padded hybrid step holds ~6 GB; a warm compiled worker ~1 GB).
+
+With ``--warmup compiles-first`` (the default run) the compiled modes of every family get ready first, before any
+family's rounds, ``warm_up_in_lanes``: as many compiles at a time as the machine has cores (a cold compile keeps
+about one core busy: dynamo, AOT autograd and inductor are single-threaded Python, only g++ runs beside them), so
+the 2-core machine compiles two models at once instead of one family's compile beside a few short eager steps.
+A compiled worker then waits, idle, until its family's turn; a family's eager modes warm up when it comes, and
+the rounds run only once no compile is left anywhere, so nothing competes with a timed step.
 
 Why step by step (2026-12-02, Qwen3.5 bench model, one process, patched compiled / stock grouped eager, 10
 rounds of three steps each): the grouped round's three steps and then three patched steps gave ratios 1.10-1.29
@@ -44,21 +51,48 @@ def round_order(modes: list[str], index: int) -> list[str]:
     return list(modes[shift:]) + list(modes[:shift])
 
 
+def warm_up_in_lanes(workers: dict, lanes: int, warmup_timeout_s: float, on_done=lambda key, what: None) -> dict:
+    """Start ``workers`` (key -> worker) in their order, at most ``lanes`` getting ready at a time, and wait for
+    each: key -> whether it got ready (``on_done(key, "ready"/"ended")`` as each is known). A worker's time limit
+    runs from its own start, as in :func:`run_family`. The next worker starts when the earliest started one is
+    ready, so a lane can idle while a later-started compile finishes first; every worker is stopped if this is
+    interrupted."""
+    ready, waiting, queue = {}, [], list(workers.items())
+    try:
+        while queue or waiting:
+            while queue and len(waiting) < max(1, lanes):
+                key, worker = queue.pop(0)
+                worker.start()
+                waiting.append((key, worker))
+            key, worker = waiting.pop(0)
+            ready[key] = worker.await_ready(warmup_timeout_s)
+            on_done(key, "ready" if ready[key] else "ended")
+    except BaseException:
+        for worker in workers.values():
+            worker.stop()
+        raise
+    return ready
+
+
 def run_family(workers: dict[str, Worker], rounds: int, warmup_timeout_s: float, step_timeout_s: float,
-               concurrent: bool = True, on_done=lambda mode, what: None, one_at_a_time: bool = False) -> list[dict]:
+               concurrent: bool = True, on_done=lambda mode, what: None, one_at_a_time: bool = False,
+               warm: dict[str, bool] | None = None) -> list[dict]:
     """Every worker's result, in the order of ``workers`` (mode -> worker, the planned order). ``on_done(mode,
     what)`` is told when a worker got ready or failed to (``what`` "ready"/"ended") and after each round it ran
-    ("round"). ``one_at_a_time``: each worker gets ready, runs all its rounds and finishes before the next one
-    starts, so only one model is held at a time (real widths); round r still has the same documents in every mode,
-    but the modes' rounds no longer run side by side, so a load change is not cancelled by the pairing."""
+    ("round"). ``warm``: modes already started and waited for (:func:`warm_up_in_lanes`) -> whether they got
+    ready; they are not started again. ``one_at_a_time``: each worker gets ready, runs all its rounds and
+    finishes before the next one starts, so only one model is held at a time (real widths); round r still has the
+    same documents in every mode, but the modes' rounds no longer run side by side, so a load change is not
+    cancelled by the pairing."""
     if one_at_a_time:
         return [_run_alone(mode, w, rounds, warmup_timeout_s, step_timeout_s, on_done) for mode, w in workers.items()]
-    ready = {}
+    ready = dict(warm or {})
+    cold = {mode: w for mode, w in workers.items() if mode not in ready}
     try:
         if concurrent:
-            for w in workers.values():
+            for w in cold.values():
                 w.start()
-        for mode, w in workers.items():
+        for mode, w in cold.items():
             if not concurrent:
                 w.start()
             ready[mode] = w.await_ready(warmup_timeout_s)

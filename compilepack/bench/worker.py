@@ -40,6 +40,9 @@ class ModeSpec:
     step: tuple | None = None  # given documents, the same in every round (long_rows.py); None: the workload's
     skip_known_failures: bool = False  # the default run: a stock compile known to fail reports it without running
     allocator: str = "system"  # "keep": freed memory stays in the process for reuse (measure.keep_freed_memory)
+    # dynamo traces modules' float attributes as constants (torch._dynamo.config.specialize_float), which spares
+    # the compile a restart of its analysis: see _compiled
+    specialize_float: bool = False
 
 
 def empty_result(spec: ModeSpec) -> dict:
@@ -50,6 +53,7 @@ def empty_result(spec: ModeSpec) -> dict:
         "tokens_per_s_min": None,
         "tokens_per_s_max": None,
         "compile_s": None,
+        "compile_cpu_s": None,
         "graphs": None,
         "graph_breaks": None,
         "compiles": None,
@@ -78,6 +82,7 @@ class ModeSession:
         self._report = report
         self._rss = measure.PeakRss()
         self._records: list[tuple[Batch, float, bool]] = []  # every step: batch, seconds, compiled
+        self._cpu_s: list[float] = []  # every step's CPU seconds (this process and its compile workers)
         self._started = time.monotonic()
 
     # ------------------------------------------------------------------------------------------ commands
@@ -153,7 +158,7 @@ class ModeSession:
                 model, first, self._check_docs, self._alone, self._device)
         if self._mode.patched:
             compilepack.patch(model)
-        self._step_model = _compiled(model, self._mode, spec.compile_backend)
+        self._step_model = _compiled(model, self._mode, spec.compile_backend, spec.specialize_float)
         self._optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
         self._sync = measure.synchronizer(self._device)
         self._counters = measure.CompileCounters()
@@ -184,8 +189,10 @@ class ModeSession:
         graphs_before = self._counters.graphs_total()
         if first:
             self._counters = measure.CompileCounters()  # the first step's graphs and breaks, nothing before it
+        cpu_before = measure.process_tree_cpu_s()
         seconds, logits = _train_step(self._step_model, batch, self._optimizer, self._sync, self._device,
                                       keep_logits=first)
+        self._cpu_s.append(measure.process_tree_cpu_s() - cpu_before)
         compiled = self._counters.graphs_total() > graphs_before
         self._compiles += self._counters.graphs_total() - graphs_before
         if first:
@@ -211,6 +218,7 @@ class ModeSession:
             return
         overhead = [max(0.0, s - b.real_tokens / tokens_per_s) for b, s, _ in self._records]
         result["compile_s"] = round(overhead[0], 2)
+        result["compile_cpu_s"] = _compile_cpu_s(self._records, self._cpu_s)
         result["recompile_s"] = round(sum(o for o, (_, _, c) in zip(overhead[1:], self._records[1:]) if c), 2)
         result["timed_steps_that_compiled"] = sum(1 for step in result["timed"] if step["compiled"])
 
@@ -228,6 +236,15 @@ class ModeSession:
         self._phase("profiling")
         self.result["profile_top"] = _profile_step(self._step_model, self._rounds[-1][-1], self._optimizer,
                                                    self._sync, self._device)
+
+
+def _compile_cpu_s(records: list, cpu_s: list[float]) -> float | None:
+    """The first step's CPU seconds beyond what its tokens cost in the steps that did not compile (median CPU
+    seconds per token): the compile's CPU time, which concurrent compiles do not inflate as they do its wall time."""
+    per_token = [cpu / batch.real_tokens for (batch, _, compiled), cpu in zip(records[1:], cpu_s[1:]) if not compiled]
+    if not per_token:
+        return None
+    return round(max(0.0, cpu_s[0] - records[0][0].real_tokens * statistics.median(per_token)), 2)
 
 
 def _refuse_known_failure(spec: ModeSpec) -> None:
@@ -354,9 +371,16 @@ def freeze_vocabulary(model: torch.nn.Module) -> None:
             module.weight.requires_grad_(False)
 
 
-def _compiled(model, mode, backend: str):
+def _compiled(model, mode, backend: str, specialize_float: bool = False):
     if mode.compile is EAGER:
         return model
+    if specialize_float:
+        # Under torch's default (False) dynamo traces modules' float attributes (an embedding's norm_type, an
+        # attention's scaling and dropout) as symbolic floats; once one is specialized the tensorify pass restarts
+        # the whole analysis, and the first attempt's work is lost: 11-13 s of a 54-59 s cold compile of the
+        # Llama bench model (2026-12-02, compile_times() "compile_attempt_0"), stock and patched alike. A worker
+        # is one mode's process, so the setting is this process's (--isolation none: the whole run's).
+        torch._dynamo.config.specialize_float = True
     # Patched models promise one graph: fullgraph=True turns any break into an error we record. Stock models
     # are compiled the way users compile them, breaks allowed.
     return torch.compile(model, backend=backend, dynamic=True if mode.compile == DYNAMIC else None, fullgraph=mode.patched)
