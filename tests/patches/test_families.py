@@ -113,6 +113,23 @@ def test_compiles_once_over_varied_hf_batches_and_stays_correct(pairs, family, v
     assert first <= _tolerance(patched)
 
 
+# the families the bench compiles with specialize_float, first variant each (every case would add ~80 s per stage)
+BENCH_CASES = [case for case in CASES if case.values[0].name in ("llama", "qwen3_next", "qwen3_5", "bamba")
+               and case.values[1] == variants(case.values[0])[0]]
+
+
+@pytest.mark.parametrize("family, variant", BENCH_CASES)
+def test_compiles_once_with_float_attributes_specialized(pairs, family, variant):
+    """The compile recipe's optional setting (docs/compile.md): with ``specialize_float`` the modules' float
+    attributes are constants, and varied HF batches (no float in them) still take one compile."""
+    _, patched = pairs(family, variant)
+    batches = varied_length_batches(patched.config.get_text_config().vocab_size, count=6, seed=4)
+    assert len({b["input_ids"].shape[1] for b in batches}) > 3
+    with torch._dynamo.config.patch(specialize_float=True):
+        report = compilepack.count_compiles(patched, batches, dynamic=True, fullgraph=True, reset=True)
+    assert report.compiles == 1, str(report)
+
+
 @pytest.mark.parametrize("family, variant", CASES)
 def test_fixed_shape_collator_compiles_once_without_dynamic(pairs, family, variant):
     _, patched = pairs(family, variant)
