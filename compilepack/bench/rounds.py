@@ -89,14 +89,8 @@ def run_family(workers: dict[str, Worker], rounds: int, warmup_timeout_s: float,
     ready = dict(warm or {})
     cold = {mode: w for mode, w in workers.items() if mode not in ready}
     try:
-        if concurrent:
-            for w in cold.values():
-                w.start()
-        for mode, w in cold.items():
-            if not concurrent:
-                w.start()
-            ready[mode] = w.await_ready(warmup_timeout_s)
-            on_done(mode, "ready" if ready[mode] else "ended")
+        # concurrent: every cold worker started before any is waited for; serial: one lane
+        ready |= warm_up_in_lanes(cold, len(cold) if concurrent else 1, warmup_timeout_s, on_done)
         for index in range(rounds):
             _run_round_interleaved(workers, ready, index, step_timeout_s, on_done)
         return [w.finish(step_timeout_s) for w in workers.values()]

@@ -82,7 +82,7 @@ class ModeSession:
         self._report = report
         self._rss = measure.PeakRss()
         self._records: list[tuple[Batch, float, bool]] = []  # every step: batch, seconds, compiled
-        self._cpu_s: list[float] = []  # every step's CPU seconds (this process and its compile workers)
+        self._cpu_s: list[float] = []  # a compiled mode's every step's CPU seconds (this process, its compile workers)
         self._started = time.monotonic()
 
     # ------------------------------------------------------------------------------------------ commands
@@ -189,10 +189,13 @@ class ModeSession:
         graphs_before = self._counters.graphs_total()
         if first:
             self._counters = measure.CompileCounters()  # the first step's graphs and breaks, nothing before it
-        cpu_before = measure.process_tree_cpu_s()
+        # CPU seconds only where a compile can happen (compile_cpu_s); reading the process tree costs milliseconds
+        count_cpu = self._mode.compile is not EAGER
+        cpu_before = measure.process_tree_cpu_s() if count_cpu else 0.0
         seconds, logits = _train_step(self._step_model, batch, self._optimizer, self._sync, self._device,
                                       keep_logits=first)
-        self._cpu_s.append(measure.process_tree_cpu_s() - cpu_before)
+        if count_cpu:
+            self._cpu_s.append(measure.process_tree_cpu_s() - cpu_before)
         compiled = self._counters.graphs_total() > graphs_before
         self._compiles += self._counters.graphs_total() - graphs_before
         if first:
