@@ -322,6 +322,24 @@ def test_patched_packed_is_the_better_median_and_its_own_rounds_are_paired():
     assert compiled_bar["ratios"] == pytest.approx([700 / 450, 400 / 600, 300 / 400], abs=1e-3)
 
 
+def test_the_grouped_bar_is_patched_compiled_even_where_eager_has_the_higher_median():
+    # eager's median (1200) beats compiled's (1160), and eager's rounds all clear 1.15; compiled's second does not
+    results = [_result("stock_grouped_eager", [1000, 1000, 1000]),
+               _result("patched_packed_eager", [1200, 1200, 1200]),
+               _result("patched_packed_compiled", [1300, 1100, 1160])]
+    grouped = next(b for b in bars.evaluate(results) if b["bar"].endswith("stock grouped by length"))
+    assert grouped["bar"] == "patched compiled >= 1.15x stock grouped by length"
+    assert grouped["detail"].startswith("patched_packed_compiled vs stock_grouped_eager")
+    assert grouped["ratios"] == [1.3, 1.1, 1.16] and grouped["status"] == "not decided"
+    # a compiled mode that failed leaves the bar n/a with its error, never decided by the eager mode instead
+    failed = dict(_result("patched_packed_compiled", []), error="InductorError: boom")
+    grouped = next(b for b in bars.evaluate(results[:2] + [failed]) if b["bar"].endswith("stock grouped by length"))
+    assert grouped["status"] == "n/a" and "InductorError: boom" in grouped["detail"]
+    # a run without the compiled mode says which mode its bar is
+    grouped = next(b for b in bars.evaluate(results[:2]) if b["bar"].endswith("stock grouped by length"))
+    assert grouped["bar"] == "patched eager >= 1.15x stock grouped by length" and grouped["status"] == "met"
+
+
 def test_a_missing_mode_makes_its_bars_not_applicable():
     entries = bars.evaluate([_result("patched_packed_eager", [500, 500])])
     grouped = next(b for b in entries if "grouped" in b["bar"])
