@@ -103,7 +103,7 @@ def _family_bars(family: str, by_mode: dict) -> list[dict]:
 def _grouped_bar(family: str, by_mode: dict) -> dict:
     """Patched compiled against stock grouped eager, whenever the run has the compiled mode (failed or not);
     patched eager only in a run without it (``--modes`` subsets), named so in the bar."""
-    mode = next((m for m in reversed(PATCHED_PACKED) if m in by_mode), PATCHED_PACKED)
+    mode = next((m for m in ("patched_packed_compiled", "patched_packed_eager") if m in by_mode), PATCHED_PACKED)
     kind = {"patched_packed_compiled": "compiled", "patched_packed_eager": "eager"}.get(mode, "packed")
     return _ratio_bar(family, f"patched {kind} >= 1.15x stock grouped by length", by_mode, mode,
                       "stock_grouped_eager", 1.15)
