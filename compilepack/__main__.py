@@ -1,4 +1,4 @@
-"""``python -m compilepack explain <family>`` and ``python -m compilepack bench``."""
+"""``python -m compilepack check MODEL`` and ``python -m compilepack explain <family>`` (see ``cli``)."""
 
 import sys
 

@@ -130,11 +130,10 @@ def _config(name: str, trust_remote_code: bool):
     """(config, checkpoint directory or hub id or None) for a family name, directory, config.json or hub id."""
     import transformers
 
-    from .bench.configs import bench_config
-    from .patching import supported_model_types
+    from .patching import family_named, supported_model_types
 
     if name in supported_model_types():
-        return bench_config(name), None
+        return family_named(name).bench_config(), None
     path = Path(name)
     if path.exists():
         directory = path.parent if path.is_file() else path

@@ -1,12 +1,16 @@
-"""``python -m compilepack``: ``bench`` (the main job), ``check MODEL`` (is packing exact and compile-clean for a
-model?) and ``explain <family>`` (stock next to patched)."""
+"""``python -m compilepack``: ``check MODEL`` (is packing exact and compile-clean for a model?) and ``explain
+<family>`` (stock next to patched). ``bench`` is kept as a pointer to the benchmark, which lives in the checkout's
+``benchmarks/`` package (``python -m benchmarks``), not in the library."""
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import random
+import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -23,10 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     explain_parser.add_argument("--batches", type=int, default=10, help="batches in the recompile count")
     explain_parser.set_defaults(run=_explain_command)
 
-    bench_parser = commands.add_parser("bench", help="training-step benchmark: stock vs patched (see docs/benchmarks.md)")
-    from .bench.main import add_arguments
-
-    add_arguments(bench_parser)
+    bench_parser = commands.add_parser(
+        "bench", help="deprecated: the benchmark is `python -m benchmarks` in a checkout (see docs/benchmarks.md)",
+        add_help=False)
     bench_parser.set_defaults(run=_bench_command)
 
     check_parser = commands.add_parser(
@@ -38,14 +41,30 @@ def main(argv: list[str] | None = None) -> int:
     add_check_arguments(check_parser)
     check_parser.set_defaults(run=_check_command)
 
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if rest and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.rest = rest
     return args.run(args)
 
 
-def _bench_command(args) -> int:
-    from .bench.main import run
+# the checkout this package was imported from, when it was (an editable install, or run from the repository)
+CHECKOUT = Path(__file__).resolve().parents[1]
 
-    return run(args)
+
+def _bench_command(args) -> int:
+    """The deprecation path of ``python -m compilepack bench``: from a checkout, run ``python -m benchmarks`` with
+    the same options (a child process: the library never imports its benchmark); from an installed wheel, which
+    does not ship the benchmark, say where it lives."""
+    if not (CHECKOUT / "benchmarks" / "__main__.py").is_file():
+        print("compilepack bench: the benchmark is not part of the installed package. It lives in the benchmarks/ "
+              "folder of the compilepack repository: from a checkout, pip install -e '.[bench]' && python -m "
+              "benchmarks (docs/benchmarks.md).", file=sys.stderr)
+        return 2
+    print("compilepack bench is deprecated: run `python -m benchmarks` from the checkout (same options).",
+          file=sys.stderr, flush=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(CHECKOUT), os.environ.get("PYTHONPATH")]))}
+    return subprocess.call([sys.executable, "-m", "benchmarks", "train", *args.rest], env=env)
 
 
 def _check_command(args) -> int:
@@ -55,13 +74,11 @@ def _check_command(args) -> int:
 
 
 def _explain_command(args) -> int:
-    from transformers import DataCollatorWithFlattening
-
-    from .bench.configs import build_bench_model
+    from transformers import AutoModelForCausalLM, DataCollatorWithFlattening
 
     family = patching.family_named(args.family)
     torch.manual_seed(0)
-    stock = build_bench_model(family.name).eval()
+    stock = AutoModelForCausalLM.from_config(family.bench_config()).eval()
     patched = patching.patch(copy.deepcopy(stock))
     collate = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)
     vocab = stock.config.get_text_config().vocab_size

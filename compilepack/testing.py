@@ -6,7 +6,7 @@ runner::
     import compilepack
     from compilepack import testing
 
-    model = testing.build_model("qwen3_5")   # patched, random weights; or compilepack.patch(your_model).float()
+    model = testing.build_model(name)    # family name, config or checkpoint: patched, random weights
     batches = testing.packed_batches(model.config.get_text_config().vocab_size)
     testing.assert_packed_matches_unpacked(model, batches)        # forward logits and gradients, fp32
     testing.assert_documents_isolated(model, batches)             # bit for bit, zero gradient across documents
@@ -316,12 +316,10 @@ def build_model(model, *, layers: int | str | None = "per_kind", seed: int = 0, 
 def _config_of(model):
     if not isinstance(model, str) and hasattr(model, "model_type"):
         return model
-    from .patching import supported_model_types
+    from .patching import family_named, supported_model_types
 
     if isinstance(model, str) and model in supported_model_types():
-        from .bench.configs import bench_config
-
-        return bench_config(model)
+        return family_named(model).bench_config()
     import transformers
 
     path = Path(model)

@@ -6,13 +6,14 @@ from __future__ import annotations
 from compilepack.patching import MAMBA1_FUSED_MIXER, Family
 
 
-def attention_free_family(name: str, prefix: str, modeling: str) -> Family:
+def attention_free_family(name: str, prefix: str, modeling: str, **described) -> Family:
     """A Mamba1 stack without attention: classes ``<prefix>ForCausalLM``, ``<prefix>Model``, ``<prefix>Block`` and
     ``<prefix>Mixer`` that drop ``**kwargs`` at every level on the way to the scan, so every one of those calls is
     threaded (the CausalLM wrapper to the backbone, the backbone to each block, the block to its mixer, the mixer
     to ``mamba_selective_scan`` / ``mamba_inner_fn``). Packed batches always take the mixer's unfused path: no fused
     Mamba1 kernel resets at document starts. The CausalLM wrapper is also an entry: it drops position_ids, so a
-    position_ids-only packed row is refused there."""
+    position_ids-only packed row is refused there. ``described``: the family's test, bench and docs declarations
+    (``tiny=``, ``bench=``, ``docs=``, see :class:`~compilepack.patching.Family`)."""
     return Family(
         name, modeling, decoder=f"{prefix}Model",
         layers={f"{prefix}Mixer": MAMBA1_FUSED_MIXER},
@@ -22,5 +23,5 @@ def attention_free_family(name: str, prefix: str, modeling: str) -> Family:
             f"{prefix}Block": ("self.mixer",),
             f"{prefix}Mixer": ("mamba_inner_fn", "mamba_selective_scan"),
         },
-        entries=(f"{prefix}ForCausalLM",),
+        entries=(f"{prefix}ForCausalLM",), **described,
     )

@@ -13,12 +13,13 @@ import types
 
 import pytest
 
-from compilepack.bench import bars, modes
-from compilepack.bench import report as report_module
-from compilepack.bench.isolation import LocalWorker, ProcessContext
-from compilepack.bench.rounds import round_order, run_family, warm_up_in_lanes
-from compilepack.bench.worker import ModeSpec, measure_mode, summarize_rounds
-from compilepack.cli import main
+from benchmarks import bars, modes
+from benchmarks import report as report_module
+from benchmarks.isolation import LocalWorker, ProcessContext
+from benchmarks.rounds import round_order, run_family, warm_up_in_lanes
+from benchmarks.worker import ModeSpec, measure_mode, summarize_rounds
+from benchmarks.__main__ import main
+from compilepack import cli
 from compilepack.patching import family_named
 from tests.families import tiny_config
 
@@ -31,7 +32,7 @@ BAR_KEYS = {"family", "bar", "value", "min", "max", "target", "status", "met", "
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    argv = ["bench", "--model", "llama", "--tokens-per-step", "256", "--steps", "2",
+    argv = ["train", "--model", "llama", "--tokens-per-step", "256", "--steps", "2",
             "--compile-backend", "eager", "--no-progress", "--out", str(out)]
     assert main(argv) == 0
     (json_path,) = out.glob("cpu-*.json")
@@ -267,7 +268,7 @@ def test_the_compile_bar_compares_cpu_seconds_when_both_compiles_have_them():
 
 
 def test_compile_cpu_seconds_are_the_first_step_beyond_its_tokens_at_the_steady_rate():
-    from compilepack.bench.worker import _compile_cpu_s
+    from benchmarks.worker import _compile_cpu_s
 
     batch = lambda tokens: types.SimpleNamespace(real_tokens=tokens)  # noqa: E731
     records = [(batch(500), 30.0, True), (batch(1000), 1.0, False), (batch(1000), 1.2, True), (batch(2000), 2.0, False)]
@@ -401,7 +402,7 @@ def test_an_interrupted_run_stops_waiting_workers_at_once(tmp_path):
 
 
 def test_grouped_rounds_take_a_long_a_middle_and_a_short_step_snake_wise():
-    from compilepack.bench import data
+    from benchmarks import data
 
     workload = modes.Workload(tokens_per_step=256, steps=3)
     pool = workload._steps(workload.warmup_steps + workload.group_pool)[workload.warmup_steps :]
@@ -439,15 +440,15 @@ def test_a_missing_required_package_stops_the_run_before_any_work(tmp_path, monk
     monkeypatch.setitem(sys.modules, "psutil", None)  # import psutil now raises ImportError
     out = tmp_path / "never"
     with pytest.raises(SystemExit) as stopped:
-        main(["bench", "--model", "llama", "--no-progress", "--out", str(out)])
+        main(["train", "--model", "llama", "--no-progress", "--out", str(out)])
     message = str(stopped.value)
-    assert "psutil: peak memory" in message and "pip install psutil" in message and "compilepack[bench]" in message
+    assert "psutil: peak memory" in message and "pip install psutil" in message and '".[bench]"' in message
     assert not out.exists()  # stopped before the output folder, the workers or any model
 
 
 def test_without_matplotlib_the_run_skips_the_plot_warns_and_exits_0(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    argv = ["bench", "--model", "llama", "--modes", "patched_packed_eager", "--tokens-per-step", "128", "--steps", "1",
+    argv = ["train", "--model", "llama", "--modes", "patched_packed_eager", "--tokens-per-step", "128", "--steps", "1",
             "--isolation", "none", "--no-progress", "--out", str(tmp_path)]
     assert main(argv) == 0
     printed = capsys.readouterr().out
@@ -464,14 +465,16 @@ def test_real_width_configs_are_their_checkpoints_widths_at_one_layer_of_each_ki
     import torch
     import transformers
 
-    from compilepack.bench.configs import REAL_WIDTH_CONFIGS, bench_config
-    from compilepack.bench.main import resolve_families
+    import compilepack
+    from benchmarks.configs import bench_config
+    from benchmarks.main import resolve_families
 
     expected = {  # family: (hidden, vocabulary, layer kinds, parameters in millions)
         "llama": (2048, 128256, 1, 323), "qwen3_next": (2048, 151936, 2, 746),
         "qwen3_5": (1024, 248320, 2, 294), "bamba": (4096, 128256, 2, 1547),
     }
-    assert sorted(REAL_WIDTH_CONFIGS) == sorted(expected) == sorted(resolve_families("all", "real"))
+    declared = [family.name for family in compilepack.families() if family.checkpoint is not None]
+    assert sorted(declared) == sorted(expected) == sorted(resolve_families("all", "real"))
     for family, (hidden, vocab, layers, params_m) in expected.items():
         config = bench_config(family, "real")
         assert (config.hidden_size, config.vocab_size, config.num_hidden_layers) == (hidden, vocab, layers)
@@ -483,7 +486,7 @@ def test_real_width_configs_are_their_checkpoints_widths_at_one_layer_of_each_ki
 
 
 def test_time_split_covers_the_step_and_flops_count_documents_apart(tmp_path):
-    from compilepack.bench import split
+    from benchmarks import split
 
     spec = ModeSpec("llama", "patched_packed_eager", TINY, config=tiny_config(family_named("llama")),
                     time_split=True)
@@ -499,7 +502,7 @@ def test_time_split_covers_the_step_and_flops_count_documents_apart(tmp_path):
 
 
 def measure_module_model(family):
-    from compilepack.bench.worker import build_model
+    from benchmarks.worker import build_model
 
     return build_model(family_named(family), tiny_config(family_named(family)), seed=0)
 
@@ -512,7 +515,7 @@ def test_patched_rounds_repeat_their_arrival_step_unless_nothing_is_interleaved(
     alone = modes.Workload(tokens_per_step=256, steps=2, patched_repeats=1)
     assert [len(r) for r in patched.batches(alone)[1]] == [1, 1]
     assert [len(r) for r in modes.mode_named("stock_packed").batches(TINY)[1]] == [1, 1]
-    argv = ["bench", "--model", "llama", "--modes", "patched_packed_eager", "--tokens-per-step", "256", "--steps",
+    argv = ["train", "--model", "llama", "--modes", "patched_packed_eager", "--tokens-per-step", "256", "--steps",
             "1", "--warmup", "one-at-a-time", "--no-progress", "--no-plot", "--out", str(tmp_path)]
     assert main(argv) == 0
     (json_path,) = tmp_path.glob("cpu-*.json")
@@ -532,7 +535,7 @@ def test_one_at_a_time_finishes_each_mode_before_the_next_starts():
 
 
 def test_long_rows_batches_the_same_documents_each_mode_its_way():
-    from compilepack.bench import long_rows
+    from benchmarks import long_rows
 
     docs = long_rows.equal_documents(512, 128)
     assert [len(doc) for doc in docs] == [128] * 4
@@ -559,7 +562,7 @@ def test_the_default_reports_a_known_stock_compile_failure_without_running_it():
     assert compiled["status"] == "n/a" and "InductorError" in compiled["detail"]
 
 
-MEASURE_PATH = pathlib.Path(__file__).resolve().parents[1] / "compilepack" / "bench" / "measure.py"
+MEASURE_PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "measure.py"
 
 
 def test_keep_freed_memory_stops_the_page_faults_of_large_blocks():
@@ -586,3 +589,32 @@ def test_keep_freed_memory_stops_the_page_faults_of_large_blocks():
                                            check=True).stdout.split())
     assert system > 4 * 16000 * 0.9  # every 4 KB page of each 64 MB block faulted again
     assert kept < system / 20
+
+
+# ------------------------------------------------------------------------------------------------ entry points
+
+
+def test_compilepack_bench_is_a_deprecated_pointer_to_python_m_benchmarks(tmp_path, monkeypatch, capsys):
+    """From a checkout, ``python -m compilepack bench`` says the new command in one line and runs it with the same
+    options (a child process: the library does not import its benchmark); from an installed wheel, which has no
+    benchmarks/ folder beside the package, it says where the benchmark lives and exits 2."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "compilepack", "bench", "--help"], capture_output=True, text=True,
+                          cwd=tmp_path, check=True)
+    assert done.stderr.strip().splitlines() == [
+        "compilepack bench is deprecated: run `python -m benchmarks` from the checkout (same options)."]
+    assert done.stdout.startswith("usage: python -m benchmarks") and "--widths" in done.stdout
+    monkeypatch.setattr(cli, "CHECKOUT", tmp_path)  # as installed: no benchmarks/ beside the package
+    assert cli.main(["bench", "--model", "llama"]) == 2
+    assert "benchmarks/ folder of the compilepack repository" in capsys.readouterr().err
+
+
+def test_python_m_benchmarks_runs_each_command_and_names_them(capsys):
+    from benchmarks import __main__ as entry
+
+    assert entry.main(["--help"]) == 0
+    listed = capsys.readouterr().out
+    assert all(f"  {name}" in listed for name in entry.COMMANDS)
+    for name, (module, _) in entry.COMMANDS.items():
+        assert callable(__import__(module, fromlist=["main"]).main), name

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from compilepack.bench import gpu_check
+from benchmarks import gpu_check
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
 

@@ -1,11 +1,11 @@
-"""The op benchmark (``python -m compilepack.bench.ops``) runs end to end on tiny sizes, and its second comparison
+"""The op benchmark (``python -m benchmarks ops``) runs end to end on tiny sizes, and its second comparison
 is a correctness cross-check: packed on equal-length documents equals the stock function on their batch."""
 
 import json
 
 import pytest
 
-from compilepack.bench import ops as op_bench
+from benchmarks import ops as op_bench
 
 OPS = "attention,causal_conv1d,gated_delta_rule,mamba2,kimi_delta_attention"
 

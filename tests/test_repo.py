@@ -20,24 +20,40 @@ def test_ci_runs_exactly_the_readme_test_command():
     test_command = readme_commands[1].split("&&")[-1].strip()
     ci_lines = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
     assert test_command in ci_lines  # in the fresh venv; the kernel stage follows it
-    assert "python -m compilepack bench" in readme_commands[0]
+    assert readme_commands[0].splitlines()[0].split("&&")[-1].strip() == "python -m benchmarks"
 
 
-def test_every_family_has_test_configs_a_bench_model_and_a_docs_row():
-    """A family is a file in patches/ plus an entry in each of these tables (where they are used)."""
-    from compilepack.bench.configs import BENCH_CONFIGS
-    from compilepack.bench.models_doc import KERNELS, STOCK_PACKED
-    from tests.families import TINY_CONFIGS
-
+def test_every_family_declares_its_test_models_bench_model_and_docs_row():
+    """A family is one file in patches/: its declaration holds its tiny test models, its bench config and its
+    docs row (and, where benchmarked at real widths, its checkpoint); docs/models.md has its row."""
     table = (ROOT / "docs" / "models.md").read_text()
     rows = {line.split("|")[1].strip().strip("`") for line in table.splitlines() if line.startswith("| `")}
-    names = {family.name for family in compilepack.families()}
-    for where, entries in (("tests/families.py TINY_CONFIGS", TINY_CONFIGS),
-                           ("compilepack/bench/configs.py BENCH_CONFIGS", BENCH_CONFIGS),
-                           ("compilepack/bench/models_doc.py KERNELS", KERNELS),
-                           ("compilepack/bench/models_doc.py STOCK_PACKED", STOCK_PACKED)):
-        assert set(entries) == names, f"{where}: missing {names - set(entries)}, unknown {set(entries) - names}"
-    assert names <= rows, f"docs/models.md has no row for {names - rows}"
+    for family in compilepack.families():
+        assert family.tiny and family.bench is not None and family.docs is not None, family.name
+        assert family.docs.stock_packed and family.kernels, family.name
+        assert family.name in rows, f"docs/models.md has no row for {family.name}"
+    headline = {"llama", "qwen3_next", "qwen3_5", "bamba"}
+    assert headline <= {family.name for family in compilepack.families() if family.checkpoint is not None}
+
+
+def test_a_family_is_named_in_one_file_of_the_package():
+    """Adding a family is one file: its name, as a string, appears in its own patches/ file and nowhere else in
+    the package (compilepack/ and patches/). A table keyed by family names elsewhere would fail this."""
+    files = [*ROOT.glob("compilepack/**/*.py"), *ROOT.glob("patches/*.py")]
+    texts = {path: path.read_text() for path in files}
+    for family in compilepack.families():
+        quoted = re.compile(rf"[\"']{re.escape(family.name)}[\"']")
+        places = sorted(str(path.relative_to(ROOT)) for path, text in texts.items() if quoted.search(text))
+        assert places == [f"patches/{family.name}.py"], f"{family.name} is named in {places}"
+
+
+def test_the_library_never_imports_the_benchmark():
+    """benchmarks/ is run from a checkout and imports compilepack; compilepack imports nothing of it (the wheel
+    does not ship it)."""
+    imports = re.compile(r"^\s*(from|import)\s+benchmarks\b", re.M)
+    offenders = [str(p.relative_to(ROOT)) for p in [*ROOT.glob("compilepack/**/*.py"), *ROOT.glob("patches/*.py")]
+                 if imports.search(p.read_text())]
+    assert offenders == []
 
 
 def test_every_patch_module_registers_a_family():
@@ -65,9 +81,10 @@ def test_every_package_is_installed():
 def test_importing_and_patching_imports_no_cuda_library():
     code = (
         "import sys, compilepack, torch\n"
-        "from compilepack.bench.configs import build_bench_model\n"
+        "from transformers import AutoModelForCausalLM\n"
         "for name in ('llama', 'qwen3_next', 'bamba'):\n"
-        "    compilepack.patch(build_bench_model(name))\n"
+        "    config = compilepack.patching.family_named(name).bench_config()\n"
+        "    compilepack.patch(AutoModelForCausalLM.from_config(config))\n"
         f"print([m for m in sys.modules if m.split('.')[0] in {CUDA_ONLY_MODULES!r}])\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

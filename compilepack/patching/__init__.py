@@ -1,7 +1,17 @@
 """Patching machinery: families, the registry, and the per-instance rebinding of transformers forwards."""
 
 from .api import is_patched, patch, patch_state, patched, unpatch
-from .family import Family, families, family_named, family_of, register, supported_model_types
+from .family import (
+    Checkpoint,
+    DocsRow,
+    Family,
+    TinyModel,
+    families,
+    family_named,
+    family_of,
+    register,
+    supported_model_types,
+)
 from .replacements import (
     ATTENTION,
     CAUSAL_CONV1D,
@@ -33,8 +43,11 @@ __all__ = [
     "MAMBA2_SPLIT_CONV1D_SCAN",
     "MAMBA_INNER",
     "SELECTIVE_SCAN",
+    "Checkpoint",
+    "DocsRow",
     "Family",
     "Replacement",
+    "TinyModel",
     "families",
     "family_named",
     "family_of",

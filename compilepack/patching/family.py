@@ -2,8 +2,10 @@
 
 A family file says, for one transformers modeling module, which class is the decoder (it receives the batch and
 builds masks) and which layer classes call which kernel globals. That is the whole patch: compilepack rebinds
-those globals inside those forwards (see ``rebind.py``). Adding a family is adding one file to ``patches/`` that
-calls :func:`register`; no shared code changes.
+those globals inside those forwards (see ``rebind.py``). The same declaration also says everything else about the
+family: its tiny test configs, its benchmark config, the released checkpoint whose widths it mirrors, and its row
+in docs/models.md. Adding a family is adding one file to ``patches/`` that calls :func:`register` (plus its
+tests); no shared code changes, and nothing else names the family.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import pkgutil
 import types
 from collections.abc import Callable, Mapping
 
+import torch
 import transformers
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
@@ -31,14 +34,68 @@ from .rebind import global_loads, innermost, install, with_globals
 # tests on the oldest and the newest). A family may narrow it (``Family.transformers``).
 TESTED_TRANSFORMERS = ">=5.18,<5.25"
 
+ConfigFactory = Callable[[], "transformers.PretrainedConfig"]
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyModel:
+    """A tiny randomly initialised variant of a family for the tests: small enough for 2 CPU cores (hidden 64, 2-4
+    layers, chunk size 64 so that 70-token documents cross chunk edges), with every layer kind of the family.
+
+    Attributes:
+        config: builds the config (a lambda, so that a transformers release without the family's classes fails
+            only that family's tests).
+        model_class: the transformers class that builds it (``AutoModelForCausalLM``, or e.g. a multimodal
+            ``...ForConditionalGeneration``).
+        moe: the variant has mixture-of-experts blocks (before transformers 5.23 their CPU ``grouped_mm`` fallback
+            breaks the backward graph: stock code outside what compilepack patches).
+    """
+
+    config: ConfigFactory
+    model_class: str = "AutoModelForCausalLM"
+    moe: bool = False
+
+    def build(self) -> torch.nn.Module:
+        builder = getattr(transformers, self.model_class)
+        config = self.config()
+        return builder.from_config(config) if hasattr(builder, "from_config") else builder(config)
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """The smallest released checkpoint of a family, mirrored at reduced depth for the real-width benchmark.
+
+    Attributes:
+        name: its hub id (nothing is downloaded: the values are those of its public ``config.json``).
+        config: its widths (hidden size, heads, head dims, mixer sizes, vocabulary) with one decoder layer of each
+            kind the family mixes; a comment beside it says where a value is not the checkpoint's, and why.
+    """
+
+    name: str
+    config: ConfigFactory
+
+
+@dataclasses.dataclass(frozen=True)
+class DocsRow:
+    """The family's row of docs/models.md beyond what the declaration already says (layers, releases, kernels).
+
+    Attributes:
+        stock_packed: what stock transformers does with the family's packed batches, as measured by the generator.
+        kernels_note: what the CUDA kernels column must add to what the replacements say (a kernel that serves
+            only some widths, an op that pads), or "".
+    """
+
+    stock_packed: str
+    kernels_note: str = ""
+
 
 @dataclasses.dataclass(frozen=True, eq=False)  # identity hash: families are registry singletons
 class Family:
-    """One patchable model family: what runs, nothing else (test configs, bench configs and docs texts live with
-    the tests, the benchmark and the docs generator).
+    """One patchable model family: what runs (the first attributes), and what describes it (the last four: test
+    configs, benchmark config, checkpoint and docs row, read by the tests, the benchmark and the docs generator).
 
     Attributes:
-        name: the registry key, the transformers ``model_type`` (``"llama"``).
+        name: the registry key, the transformers ``model_type`` (``"my_model"``; the family file is ``patches/my_model.py``).
         modeling: the transformers modeling module (``"transformers.models.llama.modeling_llama"``).
         decoder: class whose forward receives the batch and builds masks (``"LlamaModel"``).
         layers: layer class name -> the :class:`~compilepack.patching.replacements.Replacement` s its forward
@@ -54,6 +111,12 @@ class Family:
             way from a mixer to its kernel. Never name a call that already passes ``**kwargs``.
         transformers: the transformers releases this family is tested on, when narrower than compilepack's
             (``">=5.23"``: the model first shipped in 5.23); patch() refuses others.
+        tiny: variant name -> :class:`TinyModel`, the first the default: the test models.
+        bench: the benchmark's model config (hidden 256, one layer of each mixer kind); ``python -m compilepack
+            explain`` and ``check`` build it for a family name.
+        checkpoint: the released checkpoint whose widths the real-width benchmark mirrors (None: not benchmarked
+            at real widths).
+        docs: its docs/models.md row.
     """
 
     name: str
@@ -64,6 +127,29 @@ class Family:
     entries: tuple[str, ...] = ()
     boundary_calls: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     transformers: str = ""
+    tiny: Mapping[str, TinyModel] = dataclasses.field(default_factory=dict)
+    bench: ConfigFactory | None = None
+    checkpoint: Checkpoint | None = None
+    docs: DocsRow | None = None
+
+    def tiny_model(self, variant: str | None = None) -> TinyModel:
+        """The named tiny variant (default: the first declared)."""
+        if not self.tiny:
+            raise UnsupportedModelError(f"the {self.name} family declares no tiny test model (Family.tiny).")
+        return self.tiny[variant or next(iter(self.tiny))]
+
+    def bench_config(self) -> transformers.PretrainedConfig:
+        """The benchmark's model config (random weights are built from it: nothing is downloaded)."""
+        if self.bench is None:
+            raise UnsupportedModelError(f"the {self.name} family declares no benchmark config (Family.bench).")
+        return self.bench()
+
+    @property
+    def kernels(self) -> str:
+        """What each CUDA kernel library runs for this family's layers, from its replacements (docs/models.md)."""
+        texts = [r.kernels for needed in self.layers.values() for r in needed if r.kernels]
+        note = [self.docs.kernels_note] if self.docs and self.docs.kernels_note else []
+        return "; ".join([*dict.fromkeys(texts), *note])
 
     @property
     def served_model_types(self) -> tuple[str, ...]:

@@ -41,6 +41,8 @@ class Replacement:
     # the stock function must accept these; an entry may be a tuple of names a release may use instead of each
     # other (empty: not a function)
     expected_params: tuple[str | tuple[str, ...], ...] = ()
+    # what runs on CUDA in its place when the kernel library is installed, for docs/models.md ("": nothing to say)
+    kernels: str = ""
 
 
 # ------------------------------------------------------------------------------------------------ attention
@@ -135,7 +137,8 @@ def _refuse_unsupported_attention(module, kwargs) -> None:
 
 
 ATTENTION = Replacement(
-    "ALL_ATTENTION_FUNCTIONS", lambda stock, b: PackedAttentionFunctions(stock, b.attention, b.context_parallel)
+    "ALL_ATTENTION_FUNCTIONS", lambda stock, b: PackedAttentionFunctions(stock, b.attention, b.context_parallel),
+    kernels="attention: flash-attn varlen, else torch varlen_attn (CPU: per-document flash kernel)",
 )
 
 
@@ -179,7 +182,8 @@ def _make_causal_conv1d(stock: Callable, backends: Backends) -> Callable:
 
 
 CAUSAL_CONV1D = Replacement(
-    "causal_conv1d_fn", _make_causal_conv1d, ("hidden_states", "weight", "bias", "activation")
+    "causal_conv1d_fn", _make_causal_conv1d, ("hidden_states", "weight", "bias", "activation"),
+    kernels="conv: causal-conv1d causal_conv1d_fn(seq_idx)",
 )
 
 
@@ -187,7 +191,7 @@ CAUSAL_CONV1D = Replacement(
 
 
 def _delta_rule(
-    global_name: str, varlen: Callable, what: str, boundaries: str, stock_takes_kwargs: bool
+    global_name: str, varlen: Callable, what: str, boundaries: str, stock_takes_kwargs: bool, kernels: str
 ) -> Replacement:
     """transformers' chunked delta rule ``global_name`` (``query, key, value, g, beta`` and its chunk, state and
     l2norm arguments): the stock function for batches without boundaries, compilepack's op ``varlen`` for those that
@@ -221,18 +225,19 @@ def _delta_rule(
         return chunk_delta_rule
 
     expected = ("query", "key", "value", "g", "beta", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel")
-    return Replacement(global_name, make, expected)
+    return Replacement(global_name, make, expected, kernels)
 
 
 # Gated DeltaNet's delta rule; its layers pass the boundaries as ``cu_seqlens``.
 GATED_DELTA_RULE = _delta_rule(
-    "torch_chunk_gated_delta_rule", gated_delta_rule_varlen, "gated delta rule", "cu_seqlens", stock_takes_kwargs=False
+    "torch_chunk_gated_delta_rule", gated_delta_rule_varlen, "gated delta rule", "cu_seqlens", stock_takes_kwargs=False,
+    kernels="delta rule: fla chunk_gated_delta_rule(cu_seqlens)",
 )
 # The KDA kernel of Kimi Linear, given the layer's kwargs; CUDA backend: the gated-delta-rule kind's choice (fla
 # serves both).
 KIMI_DELTA_ATTENTION = _delta_rule(
     "chunk_kimi_delta_attention", kimi_delta_attention_varlen, "Kimi delta attention", CU_SEQLENS_Q,
-    stock_takes_kwargs=True,
+    stock_takes_kwargs=True, kernels="KDA: fla chunk_kda(cu_seqlens)",
 )
 
 
@@ -268,6 +273,7 @@ MAMBA2_CHUNK_SCAN = Replacement(
     "mamba2_chunk_scan",
     _make_mamba2_chunk_scan,
     ("hidden_states", "dt", "A", "B", "C", "chunk_size", "D", "dt_bias", "initial_states", "dt_softplus", "dt_limit"),
+    kernels="scan: mamba-ssm mamba_chunk_scan_combined(seq_idx)",
 )
 
 
@@ -285,7 +291,7 @@ def _unfused_when_packed(global_name: str, expected_params: tuple[str, ...]) -> 
         unfused_when_packed.__name__ = unfused_when_packed.__qualname__ = global_name
         return unfused_when_packed
 
-    return Replacement(global_name, make, expected_params)
+    return Replacement(global_name, make, expected_params, kernels=f"fused {global_name}: never on packed batches")
 
 
 # A packed batch always takes the mixer's unfused path, its conv and scan each on their CUDA kernel when
@@ -325,6 +331,8 @@ SELECTIVE_SCAN = Replacement(
     "mamba_selective_scan",
     _make_selective_scan,
     ("hidden_states", "dt", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus", "return_last_state"),
+    kernels="selective scan: compilepack's reference on every device (mamba-ssm's selective scan cannot reset "
+            "inside a row)",
 )
 
 

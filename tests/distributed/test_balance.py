@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from compilepack import PackedCollator
-from compilepack.bench.data import LengthMix
+from benchmarks.data import LengthMix
 from compilepack.distributed import BalancedBatchSampler, deal_by_cost, document_cost, imbalance_report
 
 BENCH_LENGTHS = LengthMix().sample(4000, seed=0)  # the benchmark's long-tailed mix (8-1024 tokens)

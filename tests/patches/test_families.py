@@ -11,8 +11,8 @@ import torch._dynamo.utils
 
 import compilepack
 from compilepack import testing
-from compilepack.bench.main import DEFAULT_FAMILIES
-from tests.families import GROUPED_MM_FALLBACK_BREAKS, MOE_VARIANTS, available_families, variants
+from benchmarks.main import DEFAULT_FAMILIES
+from tests.families import GROUPED_MM_FALLBACK_BREAKS, available_families, is_moe, variants
 from tests.models import build_pair, hf_batch, logits_alone, max_diff_packed_vs_alone, random_docs, varied_length_batches
 
 # documents longer than the mixers' chunk (64), 1-token documents, and ordinary ones
@@ -79,7 +79,7 @@ def test_packed_gradients_equal_sum_over_documents(pairs, family, variant):
 @pytest.mark.parametrize("backward", [False, True], ids=["forward", "forward+backward"])
 @pytest.mark.parametrize("family, variant", CASES)
 def test_one_graph_no_breaks(pairs, family, variant, backward, request):
-    if backward and GROUPED_MM_FALLBACK_BREAKS and (family.name, variant) in MOE_VARIANTS:
+    if backward and GROUPED_MM_FALLBACK_BREAKS and is_moe(family, variant):
         request.applymarker(pytest.mark.xfail(strict=True, reason=(
             "transformers < 5.23: the stock MoE experts' CPU grouped_mm fallback backward calls .item() (a graph "
             "break outside the patched layers; 1 graph from 5.23, and on CUDA)")))

@@ -35,7 +35,7 @@ class ModeSpec:
     log_path: str | None = None
     inductor_cache_dir: str | None = None  # a fresh directory makes every compile cold
     profile: bool = False  # one extra, untimed step under torch.profiler: its top ops go in the result
-    widths: str = "bench"  # "real": the family's smallest release's widths (configs.REAL_WIDTH_CONFIGS)
+    widths: str = "bench"  # "real": the family's smallest release's widths (its Family.checkpoint)
     time_split: bool = False  # one extra, untimed eager step timed by category (split.py)
     step: tuple | None = None  # given documents, the same in every round (long_rows.py); None: the workload's
     skip_known_failures: bool = False  # the default run: a stock compile known to fail reports it without running

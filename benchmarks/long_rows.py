@@ -1,4 +1,4 @@
-"""``python -m compilepack.bench.long_rows``: how a training step's cost grows with the tokens per row.
+"""``python -m benchmarks long-rows``: how a training step's cost grows with the tokens per row.
 
 For each family and each row length ``T`` (tokens per step), the same documents three ways:
 
@@ -21,6 +21,8 @@ import json
 import pathlib
 import statistics
 import time
+
+from .history import RESULTS
 
 ROWS = (4096, 16384, 65536)
 EQUAL = ("patched_packed_eager", "stock_grouped_eager")
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m compilepack.bench.long_rows", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks long-rows", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3_5", help="comma-separated families (default: qwen3_5)")
     parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="tokens per row (default: 4096,16384,65536)")
@@ -74,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="keep: freed memory stays in each worker for reuse (as on a GPU); system: glibc's "
                              "defaults, which page-fault every block over 32 MB at every step (default: keep)")
     parser.add_argument("--step-timeout", type=float, default=900.0, help="seconds per timed round at most")
-    parser.add_argument("--out", default="benchmarks/results", help="output directory (default: benchmarks/results)")
+    parser.add_argument("--out", default=str(RESULTS), help="output directory (default: benchmarks/results)")
     parser.add_argument("--no-plot", action="store_true", help="write no PNG")
     parser.add_argument("--replot", metavar="JSON", help="only rewrite the .md and .png of a saved run's JSON")
     return parser

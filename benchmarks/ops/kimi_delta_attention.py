@@ -51,7 +51,7 @@ def setup(
 
 
 def _main() -> None:
-    """Stock vs packed: ``python -m benchmarks.ops.kimi_delta_attention [repeats] [threads] [head_dims]``.
+    """Stock vs packed: ``python -m benchmarks ops.kimi_delta_attention [repeats] [threads] [head_dims]``.
 
     Timings alternate stock and packed so that load from other processes hits both alike; the ratio is the
     median of the per-repeat ratios. With 1 thread the clock is the process's CPU time, which other processes

@@ -1,7 +1,7 @@
 """Op-level benchmark: each stock transformers function vs compilepack's op, on the same packed tokens.
 
-    python -m compilepack.bench.ops                 # every op module of this package, CPU
-    python -m compilepack.bench.ops --ops attention,causal_conv1d --T 4096 --n-docs 32
+    python -m benchmarks ops                 # every op module of this package, CPU
+    python -m benchmarks ops --ops attention,causal_conv1d --T 4096 --n-docs 32
 
 A module of this package exposes ``NAME`` and ``setup(T, n_docs, device, seed, equal_lengths=False)`` returning
 ``{"stock": fn, "packed": fn, "inputs": [tensors requiring grad]}``; both functions return one tensor. Stock runs
@@ -29,6 +29,7 @@ import sys
 import torch
 
 from ..markdown import cell
+from ..history import RESULTS
 from ._common import alternating_ms
 
 
@@ -59,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=15, help="timed repeats per function (default: 15)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed repeats first (default: 3)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
-    parser.add_argument("--out", default="benchmarks/results", help="output directory (default: benchmarks/results)")
+    parser.add_argument("--out", default=str(RESULTS), help="output directory (default: benchmarks/results)")
     parser.add_argument("--no-batched", dest="batched", action="store_false",
                         help="skip the second comparison: packed vs stock on the batch of equal-length documents")
     return parser

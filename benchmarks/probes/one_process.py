@@ -1,7 +1,7 @@
 """The default run's modes of one family in one process, their rounds interleaved: the paired ratios without the
 hand-over between the bench's worker processes, and (``--profile``) where each mode's step goes.
 
-The bench (``python -m compilepack bench``) gives every mode its own process, as a user's training run is one,
+The bench (``python -m benchmarks``) gives every mode its own process, as a user's training run is one,
 and pairs rounds in time. This script builds the chosen modes side by side in one process, with the bench's own
 models, batches, allocator setting (``keep``) and compile call, warms each up on its round 0, then runs rounds 1 to
 ``--steps - 1`` of the default workload mode after mode, ``--repeats`` times, the mode order turning each repeat.
@@ -9,7 +9,7 @@ It prints each mode's tokens/s per round, and each mode's per-round ratio to the
 
 Run (about 2 minutes on 2 cores for Llama; the compiles take most of it)::
 
-    python benchmarks/one_process.py --model llama \
+    python -m benchmarks.probes.one_process --model llama \
         --modes stock_grouped_eager,patched_packed_compiled,patched_packed_eager --profile
 
 The 2026-12-01 figures are in benchmarks/results/notes-2026-12-01.md ("Late evening").
@@ -24,18 +24,17 @@ import time
 import torch
 
 import compilepack
-from compilepack.bench import measure
-from compilepack.bench.configs import BENCH_CONFIGS
-from compilepack.bench.modes import Workload, mode_named
-from compilepack.bench.worker import _compiled as compiled_as_the_bench_does
-from compilepack.bench.worker import build_model
+from benchmarks import measure
+from benchmarks.modes import Workload, mode_named
+from benchmarks.worker import _compiled as compiled_as_the_bench_does
+from benchmarks.worker import build_model
 from compilepack.patching import family_named
 
 
 def prepared(family: str, mode_name: str, workload: Workload):
     """``(step, rounds)``: one training step of the mode's model (forward, backward, AdamW) and its rounds."""
     mode = mode_named(mode_name)
-    model = build_model(family_named(family), BENCH_CONFIGS[family](), seed=0)
+    model = build_model(family_named(family), bench_config(family), seed=0)
     if mode.patched:
         compilepack.patch(model)
     runs = compiled_as_the_bench_does(model, mode, "inductor")

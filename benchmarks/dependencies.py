@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
-INSTALL_ALL = 'pip install "compilepack[bench]"  (or from a checkout: pip install -e ".[bench]")'
+INSTALL_ALL = 'pip install -e ".[bench]"  (in the checkout)'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +44,7 @@ def check(plot: bool = True, warn=print) -> bool:
     if required:
         lines = [f"  {dep.package}: {dep.used_for}" for dep in required]
         raise SystemExit(
-            "compilepack bench needs packages that are not installed:\n" + "\n".join(lines)
+            "the benchmark needs packages that are not installed:\n" + "\n".join(lines)
             + f"\nInstall them with: pip install {' '.join(dep.package for dep in required)}\n"
             + f"or every bench extra with: {INSTALL_ALL}"
         )

@@ -1,6 +1,6 @@
 """What the patched model's boundary guards cost: time per training step with and without them, eager and compiled.
 
-    python benchmarks/guard_cost.py [--family llama] [--tokens 2048] [--docs 16] [--reps 20]
+    python -m benchmarks.probes.guard_cost [--family llama] [--tokens 2048] [--docs 16] [--reps 20]
 
 The same model and batch run with compilepack's guards as shipped and with them switched off (the guard functions
 replaced by no-ops for the measurement only), alternating step by step so outside load hits both alike; the
@@ -19,8 +19,8 @@ import torch
 
 import compilepack
 from compilepack import guards
-from compilepack.bench.configs import build_bench_model
-from compilepack.bench.data import hf_packed_batch
+from benchmarks.configs import build_bench_model
+from benchmarks.data import hf_packed_batch
 
 _GUARDS = ("check_static", "check_values_on_host", "assert_values_in_graph", "assert_seq_idx_in_graph")
 

@@ -6,8 +6,8 @@ For every registered family (its bench model, fp32, CPU) the same packed documen
 - patched, HF collator batch,
 and each is compared with every document run alone (max |logit difference|), or the error it raises.
 
-    python -m compilepack.bench.models_doc            # print the table
-    python -m compilepack.bench.models_doc --write    # regenerate docs/models.md
+    python -m benchmarks models-doc            # print the table
+    python -m benchmarks models-doc --write    # regenerate docs/models.md
 """
 
 from __future__ import annotations
@@ -25,98 +25,11 @@ import compilepack
 
 from .configs import build_bench_model
 
-# What each CUDA backend runs for the family, and what stock transformers does with its packed batches.
-KERNELS = {
-    "bamba": "conv: causal-conv1d causal_conv1d_fn(seq_idx); scan: mamba-ssm mamba_chunk_scan_combined(seq_idx); "
-        "attention: flash-attn / torch varlen",
-    "falcon_h1": "conv: causal-conv1d causal_conv1d_fn(seq_idx); scan: mamba-ssm mamba_chunk_scan_combined(seq_idx); "
-        "attention: flash-attn / torch varlen",
-    "falcon_mamba": (
-        "conv: causal-conv1d causal_conv1d_fn(seq_idx); selective scan: compilepack's reference on every "
-        "device (mamba-ssm's selective scan cannot reset inside a row); fused mamba_inner_fn: never on "
-        "packed batches"
-    ),
-    "granitemoehybrid": "conv: causal-conv1d causal_conv1d_fn(seq_idx); scan: mamba-ssm mamba_chunk_scan_combined(seq_idx); "
-        "attention: flash-attn / torch varlen",
-    "jamba": "conv: causal-conv1d causal_conv1d_fn(seq_idx); selective scan: compilepack's reference on every "
-        "device (mamba-ssm's selective scan cannot reset inside a row); attention: flash-attn / torch varlen",
-    "kimi_linear": "conv: causal-conv1d; KDA: fla chunk_kda (chunk_kda_fwd/bwd); MLA attention (values padded to the "
-        "q/k head dim inside the op): flash-attn / torch varlen",
-    "lfm2": "short conv: causal-conv1d; attention: flash-attn / torch varlen",
-    "lfm2_moe": "short conv: causal-conv1d; attention: flash-attn / torch varlen",
-    "lfm3": "short conv: causal-conv1d only for kernel widths 2-4 (LFM3's default 7 runs the reference); "
-        "attention (full and sliding window): flash-attn / torch varlen",
-    "llama": "attention: flash-attn varlen, else torch varlen_attn (CUDA); per-document CPU flash kernel (CPU)",
-    "mamba": (
-        "conv: causal-conv1d causal_conv1d_fn(seq_idx); selective scan: compilepack's reference on every "
-        "device (mamba-ssm's selective scan cannot reset inside a row); fused mamba_inner_fn: never on "
-        "packed batches"
-    ),
-    "mamba2": "conv: causal-conv1d causal_conv1d_fn(seq_idx); scan: mamba-ssm mamba_chunk_scan_combined(seq_idx)",
-    "mistral": "attention (sliding window): flash-attn varlen, else torch varlen_attn (CUDA); CPU per-document",
-    "nemotron_h": "conv: causal-conv1d causal_conv1d_fn(seq_idx); scan: mamba-ssm mamba_chunk_scan_combined(seq_idx); "
-        "attention: flash-attn / torch varlen",
-    "olmo_hybrid": "conv: causal-conv1d; delta rule: fla chunk_gated_delta_rule; attention: flash-attn / torch varlen",
-    "qwen2": "attention: flash-attn varlen, else torch varlen_attn (CUDA); CPU per-document",
-    "qwen3": "attention: flash-attn varlen, else torch varlen_attn (CUDA); CPU per-document",
-    "qwen3_5": "conv: causal-conv1d; delta rule: fla chunk_gated_delta_rule; attention: flash-attn / torch varlen",
-    "qwen3_5_moe": "conv: causal-conv1d; delta rule: fla chunk_gated_delta_rule; attention: flash-attn / torch varlen",
-    "qwen3_next": "conv: causal-conv1d; delta rule: fla chunk_gated_delta_rule; attention: flash-attn / torch varlen",
-    "zamba2": "conv: causal-conv1d causal_conv1d_fn(seq_idx); scan: mamba-ssm mamba_chunk_scan_combined(seq_idx); "
-        "attention: flash-attn / torch varlen",
-}
-
-STOCK_PACKED = {
-    "bamba": "position_ids only: silently wrong (Mamba2 layers scan one long sequence); with the collator's "
-        "boundary kwargs: ValueError (causal_conv1d_fn can't keep packed sequences apart)",
-    "falcon_h1": "position_ids only: silently wrong (the Mamba2 half of every layer scans one long sequence); with the "
-        "collator's boundary kwargs: ValueError (causal_conv1d_fn can't keep packed sequences apart)",
-    "falcon_mamba": (
-        "position_ids only or with the collator's boundary kwargs: silently wrong (the kwargs never reach "
-        "the mixers; every layer scans one long sequence)"
-    ),
-    "granitemoehybrid": "position_ids only: silently wrong (Mamba2 layers scan one long sequence); with the collator's "
-        "boundary kwargs: ValueError (causal_conv1d_fn can't keep packed sequences apart)",
-    "jamba": "position_ids only: silently wrong in the Mamba layers (they scan one long sequence); with the "
-        "collator's boundary kwargs: silently wrong (they never reach the mixers; with the default "
-        "use_cache=True the attention leaks too)",
-    "kimi_linear": "position_ids only: silently wrong (KDA layers see one long sequence); with the collator's boundary "
-        "kwargs: ValueError (causal_conv1d_fn can't keep packed sequences apart)",
-    "lfm2": "position_ids only: silently wrong (short convs reach across document starts); with the collator's "
-        "boundary kwargs: ValueError (causal_conv1d_fn can't keep packed sequences apart)",
-    "lfm2_moe": "position_ids only: silently wrong (short convs reach across document starts); with the collator's "
-        "boundary kwargs: ValueError (causal_conv1d_fn can't keep packed sequences apart)",
-    "lfm3": "position_ids only: silently wrong (short convs reach across document starts); with the collator's "
-        "boundary kwargs: ValueError (causal_conv1d_fn can't keep packed sequences apart)",
-    "llama": "sdpa/eager: correct only with use_cache=False, via a dense T x T mask built from position_ids",
-    "mamba": (
-        "position_ids only or with the collator's boundary kwargs: silently wrong (the kwargs never reach "
-        "the mixers; every layer scans one long sequence)"
-    ),
-    "mamba2": "position_ids only: silently wrong (one long scan); boundary kwargs: dropped by Mamba2ForCausalLM "
-        "before the backbone, silently wrong",
-    "mistral": "sdpa: dense T x T mask from position_ids, correct only with use_cache=False",
-    "nemotron_h": "position_ids only: silently wrong (Mamba2 blocks scan one long sequence); with the collator's "
-        "boundary kwargs: ValueError (causal_conv1d_fn can't keep packed sequences apart)",
-    "olmo_hybrid": "position_ids only: silently wrong (linear layers see one long sequence); with the collator's "
-        "boundary kwargs: ValueError (causal_conv1d_fn can't keep packed sequences apart)",
-    "qwen2": "sdpa: dense T x T mask from position_ids, correct only with use_cache=False",
-    "qwen3": "sdpa: dense T x T mask from position_ids, correct only with use_cache=False",
-    "qwen3_5": "position_ids only: silently wrong (linear layers see one long sequence); with the collator's "
-        "boundary kwargs: ValueError (causal_conv1d_fn can't keep packed sequences apart)",
-    "qwen3_5_moe": "position_ids only: silently wrong (linear layers see one long sequence); with the collator's "
-        "boundary kwargs: ValueError (causal_conv1d_fn can't keep packed sequences apart)",
-    "qwen3_next": "position_ids only: silently wrong (linear layers see one long sequence); with the collator's "
-        "boundary kwargs: ValueError (causal_conv1d_fn can't keep packed sequences apart)",
-    "zamba2": "position_ids only: silently wrong (Mamba2 layers scan one long sequence); with the collator's "
-        "boundary kwargs: ValueError (causal_conv1d_fn can't keep packed sequences apart)",
-}
-
 LENGTHS = [70, 1, 23, 5, 40]
-DOCS_PATH = Path(__file__).resolve().parents[2] / "docs" / "models.md"
+DOCS_PATH = Path(__file__).resolve().parents[1] / "docs" / "models.md"
 HEADER = """# Supported model families
 
-Generated by `python -m compilepack.bench.models_doc --write` (transformers {tf}, torch {torch}, CPU, fp32, the
+Generated by `python -m benchmarks models-doc --write` (transformers {tf}, torch {torch}, CPU, fp32, the
 benchmark's random models: documents of {lengths} tokens packed in one row). "Error" columns give the largest
 |logit difference| between a packed document and the same document run alone; a stock cell may instead name
 the exception it raised.
@@ -171,7 +84,7 @@ def table() -> str:
         cells = measure(family) if family.available else dict.fromkeys(("stock, boundary kwargs",
                                                                         "stock, position_ids only", "patched"), "-")
         lines.append(
-            f"| `{family.name}` | {family.supported_transformers} | {layers} | {KERNELS[family.name]} | "
+            f"| `{family.name}` | {family.supported_transformers} | {layers} | {family.kernels} | "
             f"{cells['stock, boundary kwargs']} | {cells['stock, position_ids only']} | {cells['patched']} |"
         )
     return "\n".join(lines)
@@ -264,10 +177,11 @@ KERNEL_VERIFICATION = """## How the kernel paths are verified
 """
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks models-doc", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--write", action="store_true", help=f"write {DOCS_PATH}")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     text = table()
     if args.write:
         header = HEADER.format(tf=transformers.__version__, torch=torch.__version__, lengths=LENGTHS)
@@ -275,6 +189,7 @@ def main() -> None:
             header + text + "\n\n" + _notes() + "\n" + POSITIONS_ONLY + "\n" + _releases() + "\n" + KERNEL_VERIFICATION
         )
     print(text)
+    return 0
 
 
 def _releases() -> str:
@@ -286,8 +201,8 @@ def _releases() -> str:
 
 
 def _notes() -> str:
-    return "\n".join(f"- `{f.name}`: {STOCK_PACKED[f.name]}" for f in compilepack.families()) + "\n"
+    return "\n".join(f"- `{f.name}`: {f.docs.stock_packed}" for f in compilepack.families()) + "\n"
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

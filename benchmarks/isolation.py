@@ -18,7 +18,7 @@ import time
 
 from . import worker
 
-PRELOAD = ["torch", "transformers", "compilepack", "compilepack.bench.worker"]
+PRELOAD = ["torch", "transformers", "compilepack", "benchmarks.worker"]
 
 
 class ProcessContext:

@@ -1,4 +1,4 @@
-"""``python -m compilepack bench``: training-step speed and correctness, stock vs patched, on the same documents.
+"""``python -m benchmarks``: training-step speed and correctness, stock vs patched, on the same documents.
 
 Every family runs the chosen modes (see ``modes.py``; the default leaves two out, ``--full`` runs all) on the
 same long-tailed document mix and the same real-token budget per step. Each mode of a family gets a warm worker
@@ -17,6 +17,8 @@ import platform
 import statistics
 import tempfile
 import time
+
+from .history import RESULTS
 
 DEFAULT_FAMILIES = ("llama", "qwen3_next", "qwen3_5", "bamba")
 
@@ -70,7 +72,7 @@ def add_arguments(parser) -> None:
                              "step); system: the C library's defaults (default: keep)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the document mix and the weights")
-    parser.add_argument("--out", default="benchmarks/results", help="output directory (default: benchmarks/results)")
+    parser.add_argument("--out", default=str(RESULTS), help="output directory (default: benchmarks/results)")
     parser.add_argument("--isolation", choices=("process", "none"), default="process",
                         help="process: each mode's worker in its own process, with the time limits (default); "
                              "none: all in this process, no time limits (debugging)")
@@ -81,6 +83,14 @@ def add_arguments(parser) -> None:
                              "optimizer, other (on by default with --widths real)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--no-plot", action="store_true", help="write no PNG plot (no matplotlib needed)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks [train] [options]``."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 def run(args) -> int:
@@ -143,16 +153,17 @@ def resolve_families(text: str, widths: str = "bench") -> list[str]:
     against the registry and, at real widths, against the real-width configs."""
     from compilepack.patching import families, family_named
 
-    from .configs import WIDTHS
+    from .configs import has_config
 
     if text.strip() == "all":
-        return [family.name for family in families() if widths == "bench" or family.name in WIDTHS[widths]]
-    names = [family_named(name.strip()).name for name in text.split(",") if name.strip()]
-    missing = [name for name in names if widths != "bench" and name not in WIDTHS[widths]]
+        return [family.name for family in families() if has_config(family, widths)]
+    chosen = [family_named(name.strip()) for name in text.split(",") if name.strip()]
+    missing = [family.name for family in chosen if not has_config(family, widths)]
     if missing:
+        have = sorted(family.name for family in families() if has_config(family, widths))
         raise SystemExit(f"--widths {widths}: no config for {', '.join(missing)}; families with one: "
-                         f"{', '.join(sorted(WIDTHS[widths]))} (compilepack/bench/configs.py)")
-    return names
+                         f"{', '.join(have)} (each declares its Family.checkpoint in patches/<family>.py)")
+    return [family.name for family in chosen]
 
 
 def resolve_modes(text: str | None, full: bool = False, widths: str = "bench") -> tuple[list[str], str, dict[str, str]]:
@@ -391,6 +402,9 @@ def _workload_summary(workload) -> dict:
 
 
 def _write(report: dict, out: pathlib.Path, stem: str, can_plot: bool = True) -> None:
+    """The run's JSON, markdown and plot; its rows appended to the history table; older runs of its kind removed
+    from ``out`` (the latest run of each kind is what the folder keeps)."""
+    from . import history
     from .report import markdown, plot, print_console, write_json
 
     write_json(report, out / f"{stem}.json")
@@ -399,6 +413,10 @@ def _write(report: dict, out: pathlib.Path, stem: str, can_plot: bool = True) ->
         plot(report, out / f"{stem}.png")
     print_console(report)
     print(f"wrote {out / stem}.json, .md" + (", .png" if can_plot else " (no .png: matplotlib is not installed, or --no-plot)"))
+    appended = history.append(report, out / history.HISTORY, f"{stem}.json")
+    removed = history.keep_latest(out, stem)
+    print(f"appended {appended} rows to {out / history.HISTORY}" + (f"; removed the older {', '.join(removed)}"
+                                                                     if removed else ""))
 
 
 def _device_label(device: str) -> str:

@@ -18,7 +18,7 @@ import sysconfig
 import torch
 from transformers import DataCollatorWithFlattening
 
-from ..collator import PackedCollator
+from compilepack.collator import PackedCollator
 
 IGNORE_INDEX = -100
 
