@@ -7,7 +7,7 @@
 
 from . import distributed, ops
 from .backends import Backends
-from .boundaries import Boundaries
+from .layout import Boundaries
 from .collator import PackedCollator
 from .errors import (
     BoundaryError,

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .boundaries import Boundaries
+from .layout import Boundaries
 from .errors import BoundaryError
 from .validation import IGNORE_INDEX, validate
 

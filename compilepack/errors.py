@@ -21,3 +21,7 @@ class IncompatibleTransformersError(CompilepackError, RuntimeError):
 
 class PatchConflictError(CompilepackError, RuntimeError):
     """The model is already compiled, or a module's forward was already replaced by another tool."""
+
+
+class ContextParallelError(CompilepackError, ValueError):
+    """A model or batch that cannot run under the requested context parallelism."""

@@ -28,10 +28,16 @@ import torch
 from .boundaries import (
     ATTENTION_MASK,
     BOUNDARY_KEYS,
+    CACHE_KEYS,
+    CU_SEQLENS,
     CU_SEQLENS_K,
     CU_SEQLENS_Q,
     FIX_COLLATE,
+    INPUT_IDS,
+    LABELS,
     MAX_LENGTH_KEYS,
+    MAX_LENGTH_Q,
+    POSITION_IDS,
     SEQ_IDX,
     document_starts,
 )
@@ -80,23 +86,23 @@ ROW_EDGES = Rule(
     "end the last document of each row at the row's end (pad it), or pack all documents in one row",
 )
 K_EQUALS_Q = Rule(
-    CU_SEQLENS_K, "the same values as 'cu_seq_lens_q' (in training every document attends to itself)",
-    "pass the same tensor for both, or leave 'cu_seq_lens_k' out",
+    CU_SEQLENS_K, f"the same values as '{CU_SEQLENS_Q}' (in training every document attends to itself)",
+    f"pass the same values for both, or leave '{CU_SEQLENS_K}' out",
 )
 CU_REQUIRED = Rule(
     CU_SEQLENS_Q, "present whenever a batch carries boundary kwargs (seq_idx alone cannot become boundaries "
     "inside a compiled graph)", FIX_COLLATE + " (return_flash_attn_kwargs=True)",
 )
 MAX_LENGTH = Rule(
-    "max_length_q", "a Python int >= the longest document (an upper bound: the row length works)",
+    MAX_LENGTH_Q, "a Python int >= the longest document (an upper bound: the row length works)",
     "use the longest document's length, or leave it out (the row length is used)",
 )
 SEQ_IDX_TENSOR = Rule(
     SEQ_IDX, "an int32 (or int64) tensor shaped like input_ids [rows, row length]",
-    "build it with the boundaries, or leave it out (compilepack derives it from 'cu_seq_lens_q')",
+    f"build it with the boundaries, or leave it out (compilepack derives it from '{CU_SEQLENS_Q}')",
 )
 SEQ_IDX_AGREES = Rule(
-    SEQ_IDX, "document starts at the same tokens as 'cu_seq_lens_q'",
+    SEQ_IDX, f"document starts at the same tokens as '{CU_SEQLENS_Q}'",
     "build both from the same document lengths, or leave 'seq_idx' out",
 )
 NO_MASK = Rule(
@@ -104,26 +110,26 @@ NO_MASK = Rule(
     "drop 'attention_mask' from packed batches: the boundaries already say which tokens belong together",
 )
 NO_CACHE = Rule(
-    "past_key_values", "no cache with a packed batch (a packed row holds several documents and cannot continue "
+    CACHE_KEYS[1], "no cache with a packed batch (a packed row holds several documents and cannot continue "
     "one cache)", "run packed batches without 'cache'/'past_key_values'; generate on unpacked inputs",
 )
 UNMARKED_PACKING = Rule(
-    "position_ids", "positions counting up without restart inside a row when the batch carries no boundary kwargs "
+    POSITION_IDS, "positions counting up without restart inside a row when the batch carries no boundary kwargs "
     "(compilepack never infers documents from position_ids: the row would run as one sequence, mixing documents)",
     FIX_COLLATE + ", or wrap the collator with compilepack.integrations.with_boundaries",
 )
 # Checked by compilepack.validate / checked / PackedCollator on the host; the model itself does not read labels, and
 # positions only feed the rotary embedding.
 POSITIONS_RESTART = Rule(
-    "position_ids", "positions counting from the same start inside every document (restarting at each one)",
+    POSITION_IDS, "positions counting from the same start inside every document (restarting at each one)",
     "build position_ids with the boundaries (DataCollatorWithFlattening does), or leave them out",
 )
 LABELS_AT_STARTS = Rule(
-    "labels", "-100 at every document start (the causal-LM loss shifts labels by one, so that label would be "
+    LABELS, "-100 at every document start (the causal-LM loss shifts labels by one, so that label would be "
     "predicted from the previous document's last token)",
     "set labels to -100 at every document start, as DataCollatorWithFlattening does",
 )
-SHAPED_LIKE_TOKENS = Rule("labels", "the shape of input_ids", "build it with the same rows and row length as input_ids")
+SHAPED_LIKE_TOKENS = Rule(LABELS, f"the shape of {INPUT_IDS}", f"build it with the same rows and row length as {INPUT_IDS}")
 
 
 # ------------------------------------------------------------------------------------------------ static facts
@@ -143,9 +149,9 @@ def _refuse_if(broken: bool, rule: Rule, *found) -> bool:
 def check_static(kwargs: Mapping, tokens: torch.Tensor, row_length=None) -> None:
     """The rules that types, dtypes, ranks, devices and present keys decide (known while tracing). ``row_length``:
     the whole rows' length when ``tokens`` hold a context-parallel shard of each row (default: the tokens')."""
-    _refuse_if(kwargs.get(CU_SEQLENS_Q) is None, CU_REQUIRED, "no 'cu_seq_lens_q'")
+    _refuse_if(kwargs.get(CU_SEQLENS_Q) is None, CU_REQUIRED, f"no '{CU_SEQLENS_Q}'")
     _refuse_if(kwargs.get(ATTENTION_MASK) is not None, NO_MASK, "an 'attention_mask'")
-    _refuse_if(kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None, NO_CACHE, "a cache")
+    _refuse_if(has_cache(kwargs), NO_CACHE, "a cache")
     for key in (CU_SEQLENS_Q, CU_SEQLENS_K):
         _check_cu_static(key, kwargs.get(key), tokens.device)
     for key in MAX_LENGTH_KEYS:
@@ -202,7 +208,7 @@ def check_values_on_host(kwargs: Mapping, rows: int, row_length: int) -> list[in
     cu = check_cumulative_on_host(CU_SEQLENS_Q, kwargs[CU_SEQLENS_Q], rows * row_length)
     cu_k = kwargs.get(CU_SEQLENS_K)
     if cu_k is not None and cu_k is not kwargs[CU_SEQLENS_Q] and cu_k.tolist() != cu:
-        raise K_EQUALS_Q.refuse(f"{_preview(cu_k.tolist())} next to 'cu_seq_lens_q' {_preview(cu)}")
+        raise K_EQUALS_Q.refuse(f"{_preview(cu_k.tolist())} next to '{CU_SEQLENS_Q}' {_preview(cu)}")
     check_row_edges_on_host(cu, rows, row_length)
     longest = max(e - s for s, e in zip(cu[:-1], cu[1:]))
     for key in MAX_LENGTH_KEYS:
@@ -251,7 +257,7 @@ def check_seq_idx_on_host(seq_idx: torch.Tensor, cu: list[int], rows: int, row_l
         says = "starts" if bool(given[row, column]) else "does not start"
         raise SEQ_IDX_AGREES.refuse(
             f"a document that {says} at row {row}, token {column} in 'seq_idx' but "
-            f"{'does not' if bool(given[row, column]) else 'does'} in 'cu_seq_lens_q'"
+            f"{'does not' if bool(given[row, column]) else 'does'} in '{CU_SEQLENS_Q}'"
         )
 
 
@@ -311,10 +317,47 @@ def unmarked_packing_on_host(position_ids: torch.Tensor) -> BoundaryError | None
 
 
 def assert_no_unmarked_packing_in_graph(position_ids: torch.Tensor) -> None:
-    restarts = position_ids[:, 1:] != position_ids[:, :-1] + 1
+    restarts = document_starts(position_ids, step=1)[:, 1:]  # a row start is no restart
     UNMARKED_PACKING.assert_async(~restarts.any())
+
+
+def has_cache(kwargs: Mapping) -> bool:
+    """Whether a call carries a cache (under either name transformers has used): a static fact of the call."""
+    return any(kwargs.get(key) is not None for key in CACHE_KEYS)
 
 
 def has_boundaries(kwargs: Mapping) -> bool:
     """Whether a batch (or a forward's kwargs) carries any boundary kwarg: a static fact of the call."""
     return any(kwargs.get(key) is not None for key in BOUNDARY_KEYS)
+
+
+# ------------------------------------------------------------------------------------------------ the ops' own check
+
+# how to build each kind of boundary tensor right, for the error that refuses one
+_BUILD = {
+    CU_SEQLENS: "build it as 0 followed by the running sum of the document lengths",
+    SEQ_IDX: "number each row's documents in order (0, 0, 1, 1, 1, 2, ...), as the HF collator does",
+}
+
+
+def refuse_steps_back(op: str, argument: str, boundaries: torch.Tensor | None) -> None:
+    """Refuse boundaries that decrease: ``cu_seqlens`` ``[N+1]``, or ``seq_idx`` ``[b, T]`` along a row.
+
+    Every path assumes they rise: a binary search over ``cu_seqlens``, documents of ``seq_idx`` told apart by
+    equality (tokens sharing an index inside a convolution window or an SSD chunk are one document to mamba-ssm's
+    kernels and to the references alike), so a decreasing entry silently mixes or drops documents' tokens. Called
+    in op bodies, and only on host tensors, where reading them is free: on CUDA the patched model's guards check
+    the host copies before the forward, and a direct call with CUDA boundaries is not checked (that would sync).
+    """
+    if boundaries is None or boundaries.device.type != "cpu" or boundaries.shape[-1] < 2:
+        return
+    steps_back = boundaries[..., 1:] < boundaries[..., :-1]
+    if not bool(steps_back.any()):
+        return
+    *row, column = steps_back.nonzero()[0].tolist()
+    at = f"row {row[0]}, " if row else ""
+    before, after = boundaries[(*row, column)].item(), boundaries[(*row, column + 1)].item()
+    raise ValueError(
+        f"{op}: {argument} must not decrease, but goes from {before} to {after} at {at}index {column + 1}; "
+        f"{_BUILD[argument.removesuffix('_cpu')]}. Decreasing boundaries would mix or drop documents' tokens."
+    )

@@ -13,7 +13,8 @@ from collections.abc import Callable, MutableMapping
 
 import torch
 
-from .boundaries import ATTENTION_MASK, CU_SEQLENS_Q, HOST_BOUNDARY_KEYS, POSITION_IDS, Boundaries
+from .boundaries import ATTENTION_MASK, CU_SEQLENS_Q, HOST_BOUNDARY_KEYS, POSITION_IDS
+from .layout import Boundaries
 from .validation import validate
 
 

@@ -15,7 +15,8 @@ from collections.abc import Callable, Mapping
 import torch
 
 from . import guards
-from .boundaries import FIX_COLLATE, LABELS, MAX_LENGTH_KEYS, POSITION_IDS, Boundaries
+from .boundaries import FIX_COLLATE, LABELS, MAX_LENGTH_KEYS, POSITION_IDS
+from .layout import Boundaries
 from .errors import BoundaryError
 
 IGNORE_INDEX = -100

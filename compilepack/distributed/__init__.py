@@ -1,15 +1,19 @@
-"""Context parallelism (Ulysses) for packed rows, batch sharding and packing balanced across ranks.
+"""Distributed training of packed rows: the context-parallel group and its collectives, batch sharding, packing
+balanced across data-parallel ranks, and the gradient sum.
 
     cp = dist.new_group(...)                                    # or mesh["cp"]
     model = compilepack.patch(model, context_parallel=cp)       # before torch.compile / fully_shard
     out = model(**compilepack.distributed.shard_batch(batch, cp))
 
-See docs/context-parallel.md.
+Each op's context-parallel wrapper lives beside the op (``compilepack/ops/<op>/context_parallel.py``); a model
+patched without context parallelism never runs code of this package. See docs/context-parallel.md.
 """
 
+from ..errors import ContextParallelError
 from .balance import BalancedBatchSampler, deal_by_cost, document_cost, imbalance_report
+from .context_parallel import ContextParallel
+from .gradients import all_reduce_gradients
 from .sharding import shard_batch
-from .ulysses import ContextParallel, ContextParallelError, all_reduce_gradients
 
 __all__ = [
     "BalancedBatchSampler",

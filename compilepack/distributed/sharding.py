@@ -9,8 +9,9 @@ Every rank of a context-parallel group receives the same global batch (the same 
   [R, T]``: host data, so no collective is ever spent on them;
 - ``num_items_in_batch``: the target count of the whole batch, so that each rank's loss is its tokens' share and
   the ranks' losses add up to the one-process loss (token-weighted mean);
-- ``context_parallel_shard``: the :class:`~compilepack.distributed.ulysses.ContextParallel` it was sharded for, which
-  the patched model checks against its own (a batch not sharded, or sharded for another group, is refused).
+- ``context_parallel_shard``: the :class:`~compilepack.distributed.ContextParallel` it was sharded for, which the
+  patched model checks against its own (a batch not sharded, or sharded for another group, is refused:
+  :func:`check_batch`).
 
 Rows whose length does not divide by W get a padding document at their end (``pad_token_id``, labels -100), which
 attends only to itself and adds nothing to the loss.
@@ -23,10 +24,25 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from ..boundaries import Boundaries
+from torch import Tensor
+
+from ..boundaries import (
+    CU_SEQLENS_K,
+    CU_SEQLENS_Q,
+    INPUT_IDS,
+    LABELS,
+    MAX_LENGTH_K,
+    MAX_LENGTH_Q,
+    NUM_ITEMS_IN_BATCH,
+    POSITION_IDS,
+    SEQ_IDX,
+    SHARD_KEY,
+    SHIFT_LABELS,
+)
+from ..errors import ContextParallelError
+from ..layout import Boundaries
 from ..validation import IGNORE_INDEX, validate
-from .ulysses import SHARD_KEY, ContextParallel, ContextParallelError
-_PER_TOKEN_KEYS = ("input_ids", "position_ids", "labels")
+from .context_parallel import ContextParallel
 
 
 def shard_batch(batch: dict, group_or_mesh, *, pad_token_id: int = 0, verify: bool = True) -> dict:
@@ -62,8 +78,8 @@ def shard_batch(batch: dict, group_or_mesh, *, pad_token_id: int = 0, verify: bo
             hold different batches.
     """
     cp = ContextParallel.of(group_or_mesh)
-    if batch.get("input_ids") is None:
-        raise ContextParallelError("shard_batch needs 'input_ids' (inputs_embeds batches are not supported).")
+    if batch.get(INPUT_IDS) is None:
+        raise ContextParallelError(f"shard_batch needs '{INPUT_IDS}' (inputs_embeds batches are not supported).")
     boundaries = validate(batch)
     if boundaries is None:
         raise ContextParallelError(
@@ -71,25 +87,25 @@ def shard_batch(batch: dict, group_or_mesh, *, pad_token_id: int = 0, verify: bo
             "DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True) or "
             "compilepack.PackedCollator."
         )
-    if batch.get("position_ids") is not None and batch["position_ids"].dim() != 2:
+    if batch.get(POSITION_IDS) is not None and batch[POSITION_IDS].dim() != 2:
         raise ContextParallelError(
-            f"shard_batch: position_ids of shape {tuple(batch['position_ids'].shape)} (multimodal RoPE) are not "
+            f"shard_batch: position_ids of shape {tuple(batch[POSITION_IDS].shape)} (multimodal RoPE) are not "
             "supported under context parallelism; pass [rows, T] position ids."
         )
     if verify:
         _verify_same_batch(batch, cp)
     tokens, boundaries = _padded(batch, boundaries, cp.size, pad_token_id)
-    local = tokens["input_ids"].shape[1] // cp.size
+    local = tokens[INPUT_IDS].shape[1] // cp.size
     start = cp.rank * local
     # contiguous: transformers views them (``shift_labels.view(-1)``), and a column slice of several rows is not
     sharded = {key: value[:, start : start + local].contiguous() for key, value in tokens.items()}
-    if "labels" in sharded:
-        sharded["shift_labels"] = sharded["labels"]
-        sharded["num_items_in_batch"] = (tokens["labels"] != IGNORE_INDEX).sum()
-    sharded.update(
-        cu_seq_lens_q=boundaries.cu_seqlens, cu_seq_lens_k=boundaries.cu_seqlens,
-        max_length_q=boundaries.max_seqlen, max_length_k=boundaries.max_seqlen, seq_idx=boundaries.seq_idx,
-    )
+    if LABELS in sharded:
+        sharded[SHIFT_LABELS] = sharded[LABELS]
+        sharded[NUM_ITEMS_IN_BATCH] = (tokens[LABELS] != IGNORE_INDEX).sum()
+    sharded.update({
+        CU_SEQLENS_Q: boundaries.cu_seqlens, CU_SEQLENS_K: boundaries.cu_seqlens,
+        MAX_LENGTH_Q: boundaries.max_seqlen, MAX_LENGTH_K: boundaries.max_seqlen, SEQ_IDX: boundaries.seq_idx,
+    })
     sharded[SHARD_KEY] = cp
     return sharded
 
@@ -97,16 +113,16 @@ def shard_batch(batch: dict, group_or_mesh, *, pad_token_id: int = 0, verify: bo
 def _padded(batch: dict, boundaries: Boundaries, size: int, pad_token_id: int) -> tuple[dict, Boundaries]:
     """The per-token tensors (labels already shifted) and boundaries of the batch with every row padded to a
     multiple of ``size`` by a padding document at its end."""
-    rows, length = batch["input_ids"].shape
+    rows, length = batch[INPUT_IDS].shape
     padding = -length % size
     if padding:
         boundaries = _with_padding_documents(boundaries, rows, length, padding)
     tokens = {
-        "input_ids": _pad(batch["input_ids"], padding, pad_token_id),
-        "position_ids": boundaries.position_ids if padding or batch.get("position_ids") is None else batch["position_ids"],
+        INPUT_IDS: _pad(batch[INPUT_IDS], padding, pad_token_id),
+        POSITION_IDS: boundaries.position_ids if padding or batch.get(POSITION_IDS) is None else batch[POSITION_IDS],
     }
-    if batch.get("labels") is not None:
-        tokens["labels"] = _pad(_shifted(batch["labels"]), padding, IGNORE_INDEX)
+    if batch.get(LABELS) is not None:
+        tokens[LABELS] = _pad(_shifted(batch[LABELS]), padding, IGNORE_INDEX)
     return tokens, boundaries
 
 
@@ -149,9 +165,62 @@ def _verify_same_batch(batch: dict, cp: ContextParallel) -> None:
 
 def _fingerprint(batch: dict) -> str:
     digest = hashlib.sha1()
-    for key in ("input_ids", "cu_seq_lens_q", "labels"):
+    for key in (INPUT_IDS, CU_SEQLENS_Q, LABELS):
         value = batch.get(key)
         if value is not None:
             digest.update(key.encode())
             digest.update(value.detach().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()
+
+
+# ------------------------------------------------------------------------------------------------ the model's checks
+
+
+def check_batch(kwargs: dict, cp: ContextParallel, where: str) -> None:
+    """Refuse a packed batch that was not sharded for this model's context parallelism ``cp``: unsharded, or
+    sharded for another group or rank. Compares Python objects only (the batch's ``context_parallel_shard`` entry
+    with the model's, by identity): free inside a graph, where it becomes a guard. (A sharded batch given to a model
+    patched without context parallelism is refused by the decoder, which never enters this package then.)"""
+    shard = kwargs.get(SHARD_KEY)
+    if shard is cp:
+        return
+    if shard is None:
+        raise ContextParallelError(
+            f"{where}: the model runs context-parallel over {cp.size} ranks but the batch was not sharded; pass "
+            f"compilepack.distributed.shard_batch(batch, group) (each rank keeps 1/{cp.size} of every row)."
+        )
+    raise ContextParallelError(
+        f"{where}: the batch was sharded for {shard.describe()} but the model runs {cp.describe()}; shard with the "
+        "group the model was patched with."
+    )
+
+
+def check_shard(local: int, global_: int, cp: ContextParallel, where: str) -> None:
+    """Refuse a batch whose local length times W is not the length the global boundaries describe: a batch that
+    was not sharded (or was sharded for another group size). Static shapes only: safe to trace."""
+    if local * cp.size != global_:
+        raise ContextParallelError(
+            f"{where}: this rank holds {local} tokens per row but the boundaries (seq_idx) describe rows of "
+            f"{global_}; under context parallelism of size {cp.size} each rank must hold exactly 1/{cp.size} of "
+            "every row. Shard every batch with compilepack.distributed.shard_batch(batch, group)."
+        )
+
+
+def shards_per_row(kwargs: dict, tokens: Tensor) -> int:
+    """For the patched decoder's boundary checks: how many ranks share each row (1 without a shard).
+
+    A context-parallel shard holds ``T / W`` tokens of every row while its ``seq_idx`` and ``cu_seq_lens_q``
+    describe the whole rows (``shard_batch``): the boundary checks run on the whole rows (``T = W x T_local``).
+    Static facts only: safe to trace."""
+    shard = kwargs.get(SHARD_KEY)
+    if shard is None:
+        return 1
+    if kwargs.get(POSITION_IDS) is None:
+        raise ContextParallelError(
+            "a context-parallel shard needs its 'position_ids' (positions inside each document, global: they cannot "
+            "be derived from a slice of a row); shard with compilepack.distributed.shard_batch, which sets them."
+        )
+    seq_idx = kwargs.get(SEQ_IDX)
+    if isinstance(seq_idx, Tensor) and seq_idx.dim() == 2:  # (otherwise the static checks refuse it themselves)
+        check_shard(tokens.shape[1], seq_idx.shape[1], shard, "the packed decoder")
+    return shard.size

@@ -16,6 +16,7 @@ import types
 import torch
 
 from .. import backends as _backends
+from ..distributed.context_parallel import ContextParallel, check_model
 from ..errors import IncompatibleTransformersError, PatchConflictError
 from .family import family_named, family_of
 
@@ -116,10 +117,8 @@ def patch(
 
 def _with_context_parallel(model, family, chosen: _backends.Backends, group_or_mesh) -> _backends.Backends:
     """``chosen`` with the context-parallel group, after checking the model can be split over it."""
-    from ..distributed import ulysses
-
-    cp = ulysses.ContextParallel.of(group_or_mesh)
-    ulysses.check_model(model, family, cp)
+    cp = ContextParallel.of(group_or_mesh)
+    check_model(model, family, cp)
     return dataclasses.replace(chosen, context_parallel=cp)
 
 

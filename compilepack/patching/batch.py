@@ -15,9 +15,10 @@ from collections.abc import Callable
 import torch
 
 from .. import guards
-from ..distributed import ulysses
 from ..boundaries import (
     ATTENTION_MASK,
+    INPUT_IDS,
+    INPUTS_EMBEDS,
     CU_SEQLENS_K,
     CU_SEQLENS_Q,
     HOST_CU_SEQLENS,
@@ -25,27 +26,32 @@ from ..boundaries import (
     MAX_LENGTH_Q,
     POSITION_IDS,
     SEQ_IDX,
+    SHARD_KEY,
+    positions_in_documents,
+    seq_idx_from_cu_seqlens,
 )
-from ..ops._common import seq_idx_from_cu_seqlens
+from ..distributed.sharding import check_batch, shards_per_row
+from ..errors import ContextParallelError
 
 
 def packed_decoder_forward(
     packed_forward: Callable, stock_forward: Callable, parameter_names: tuple[str, ...], *,
-    stock_packs_positions: bool = False,
+    stock_packs_positions: bool = False, context_parallel=None,
 ) -> Callable:
     """A decoder ``forward``: a batch with boundary kwargs is checked, prepared and run by ``packed_forward`` (the
     stock forward rebound to compilepack's mask creators); any other batch runs ``stock_forward`` exactly.
 
     ``stock_packs_positions``: the stock forward keeps documents of a position_ids-only packed row apart by itself
     (attention-only families, when it builds no cache): such rows run stock. Otherwise they are refused, since the
-    stock forward would mix their documents.
+    stock forward would mix their documents. ``context_parallel``: the model's group (``patch(...,
+    context_parallel=)``), or None.
     """
 
     @functools.wraps(stock_forward)  # the stock signature, for inspect.signature, Trainer and PEFT
     def forward(self, *args, **kwargs):
         kwargs.update(zip(parameter_names, args))  # transformers passes keywords; positional ones are named here
         if guards.has_boundaries(kwargs):
-            return packed_forward(self, **prepare_packed_kwargs(kwargs))
+            return packed_forward(self, **prepare_packed_kwargs(kwargs, context_parallel))
         if not (stock_packs_positions and not _builds_cache(self, kwargs)):
             _refuse_unmarked_packing(kwargs)
         return stock_forward(self, **kwargs)
@@ -53,17 +59,21 @@ def packed_decoder_forward(
     return forward
 
 
-def prepare_packed_kwargs(kwargs: dict) -> dict:
+def prepare_packed_kwargs(kwargs: dict, context_parallel=None) -> dict:
     """Boundary kwargs checked and on the tokens' device, with ``seq_idx`` and missing ``position_ids`` derived.
 
     ``cu_seq_lens_q`` is the single source of truth: ``seq_idx`` is recomputed from it (one searchsorted)
     so the attention and the mixers can never disagree about where a document starts.
     """
-    tokens = kwargs.get("input_ids")
+    tokens = kwargs.get(INPUT_IDS)
     if tokens is None:
-        tokens = kwargs["inputs_embeds"]
-    # a context-parallel shard holds 1/W of every row; its boundaries (cu_seq_lens_q, seq_idx) describe whole rows
-    rows, row_length = tokens.shape[0], tokens.shape[1] * ulysses.shards_per_row(kwargs, tokens)
+        tokens = kwargs[INPUTS_EMBEDS]
+    rows, row_length = tokens.shape[0], tokens.shape[1]
+    if context_parallel is None:
+        _refuse_shard(kwargs)
+    else:  # a shard holds 1/W of every row; its boundaries (cu_seq_lens_q, seq_idx) describe whole rows
+        check_batch(kwargs, context_parallel, "the packed decoder")
+        row_length *= shards_per_row(kwargs, tokens)
     guards.check_static(kwargs, tokens, row_length)
     given = kwargs[CU_SEQLENS_Q]
     on_host = given.device.type == "cpu" and not torch.compiler.is_compiling()
@@ -90,8 +100,17 @@ def prepare_packed_kwargs(kwargs: dict) -> dict:
         "use_cache": False,
     })
     if kwargs.get(POSITION_IDS) is None:
-        kwargs[POSITION_IDS] = _positions_in_documents(cu_seqlens, seq_idx.flatten()).view(rows, row_length)
+        kwargs[POSITION_IDS] = positions_in_documents(cu_seqlens, seq_idx.flatten()).view(rows, row_length)
     return kwargs
+
+
+def _refuse_shard(kwargs: dict) -> None:
+    """A batch sharded for context parallelism, given to a model patched without it (a static fact)."""
+    if kwargs.get(SHARD_KEY) is not None:
+        raise ContextParallelError(
+            f"the batch was sharded for context parallelism (it has '{SHARD_KEY}') but the model was patched without "
+            "it; patch with compilepack.patch(model, context_parallel=group), or pass the unsharded batch."
+        )
 
 
 def _max_seqlen(given, row_length, on_host: bool):
@@ -114,7 +133,7 @@ def _refuse_unmarked_packing(kwargs: dict) -> None:
     device assert, which fails the step with a ``RuntimeError`` carrying the same rule (on CUDA at the next
     synchronisation). Padded batches, cached decoding and multimodal (3-D) position ids are not checked."""
     position_ids = kwargs.get(POSITION_IDS)
-    if position_ids is None or position_ids.dim() != 2 or kwargs.get(ATTENTION_MASK) is not None or _has_cache(kwargs):
+    if position_ids is None or position_ids.dim() != 2 or kwargs.get(ATTENTION_MASK) is not None or guards.has_cache(kwargs):
         return
     if position_ids.device.type == "cpu" and not torch.compiler.is_compiling():
         refusal = guards.unmarked_packing_on_host(position_ids)
@@ -124,10 +143,6 @@ def _refuse_unmarked_packing(kwargs: dict) -> None:
     guards.assert_no_unmarked_packing_in_graph(position_ids)
 
 
-def _has_cache(kwargs: dict) -> bool:
-    return kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None
-
-
 def _builds_cache(module: torch.nn.Module, kwargs: dict) -> bool:
     """Whether the stock decoder will build a cache for this call (then it skips its packed-row detection)."""
     use_cache = kwargs.get("use_cache")
@@ -135,7 +150,3 @@ def _builds_cache(module: torch.nn.Module, kwargs: dict) -> bool:
         use_cache = getattr(getattr(module, "config", None), "use_cache", False)
     return bool(use_cache)
 
-
-def _positions_in_documents(cu_seqlens: torch.Tensor, seq_idx: torch.Tensor) -> torch.Tensor:
-    positions = torch.arange(seq_idx.numel(), device=seq_idx.device)
-    return positions - cu_seqlens.long()[seq_idx.long()]

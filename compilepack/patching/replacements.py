@@ -19,8 +19,8 @@ from collections.abc import Callable
 import torch
 
 from ..backends import Backends
-from ..boundaries import CU_SEQLENS_Q, HOST_CU_SEQLENS, MAX_LENGTH_Q, SEQ_IDX
-from ..distributed import ulysses
+from ..boundaries import CACHE_KEYS, CU_SEQLENS, CU_SEQLENS_Q, HOST_CU_SEQLENS, MAX_LENGTH_Q, SEQ_IDX
+from ..distributed.sharding import check_batch
 from ..errors import BoundaryError
 from ..ops import (
     causal_conv1d_varlen,
@@ -30,6 +30,11 @@ from ..ops import (
     selective_scan_varlen,
     varlen_attention,
 )
+from ..ops.attention.context_parallel import varlen_attention_head_parallel
+from ..ops.causal_conv1d.context_parallel import causal_conv1d_head_parallel
+from ..ops.gated_delta_rule.context_parallel import gated_delta_rule_head_parallel
+from ..ops.kimi_delta_attention.context_parallel import kimi_delta_attention_head_parallel
+from ..ops.mamba2.context_parallel import mamba2_chunk_scan_head_parallel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +48,8 @@ class Replacement:
     expected_params: tuple[str | tuple[str, ...], ...] = ()
     # what runs on CUDA in its place when the kernel library is installed, for docs/models.md ("": nothing to say)
     kernels: str = ""
+    # whether its packed path runs under context parallelism (patch(model, context_parallel=...) refuses others)
+    context_parallel: bool = False
 
 
 # ------------------------------------------------------------------------------------------------ attention
@@ -77,12 +84,12 @@ def packed_attention(
     """transformers attention-interface function: ``[B, H, T, D]`` inputs, returns ``([B, T, H, Dv], None)``.
 
     Only a packed batch (one that carries ``cu_seq_lens_q``: a static fact) runs compilepack's op; every other call
-    (padded, unpadded, cached decoding) is the stock function's, with its dropout and attention weights."""
+    (padded, unpadded, cached decoding) is the stock function's, with its dropout and attention weights. Under
+    context parallelism the op runs head-parallel over the whole rows (``ops/attention/context_parallel.py``)."""
     cu_seqlens = kwargs.get(CU_SEQLENS_Q)
     if cu_seqlens is None:
         return stock_attention(module, query, key, value, attention_mask, **kwargs)
     _refuse_unsupported_attention(module, kwargs)
-    ulysses.check_batch(kwargs, context_parallel, type(module).__name__)
     rows, heads, row_length, _ = query.shape
     query, key, value = _autocast_dtype(query, key, value)
     max_seqlen = row_length if kwargs.get(MAX_LENGTH_Q) is None else kwargs[MAX_LENGTH_Q]
@@ -91,7 +98,8 @@ def packed_attention(
         cu_seqlens_cpu=kwargs.get(HOST_CU_SEQLENS), backend=backend,
     )
     if context_parallel is not None:  # head-parallel over the whole rows, between two all-to-alls
-        out = ulysses.attention(
+        check_batch(kwargs, context_parallel, type(module).__name__)
+        out = varlen_attention_head_parallel(
             query, key, value, cu_seqlens, max_seqlen, global_length=kwargs[SEQ_IDX].shape[-1], cp=context_parallel,
             where=type(module).__name__, **options,
         )
@@ -139,6 +147,7 @@ def _refuse_unsupported_attention(module, kwargs) -> None:
 ATTENTION = Replacement(
     "ALL_ATTENTION_FUNCTIONS", lambda stock, b: PackedAttentionFunctions(stock, b.attention, b.context_parallel),
     kernels="attention: flash-attn varlen, else torch varlen_attn (CPU: per-document flash kernel)",
+    context_parallel=True,
 )
 
 
@@ -147,7 +156,7 @@ ATTENTION = Replacement(
 
 def _make_mask_creator(stock: Callable, backends: Backends) -> Callable:
     def create_mask(config, inputs_embeds, attention_mask, cache=None, position_ids=None, **kwargs):
-        cache = cache if cache is not None else kwargs.pop("past_key_values", None)
+        cache = cache if cache is not None else kwargs.pop(CACHE_KEYS[1], None)
         if attention_mask is None and cache is None:
             # Stock would read documents off position_ids here (a data-dependent check and a dense T x T
             # mask). Packed batches carry boundaries and plain rows are causal: no mask is needed.
@@ -158,7 +167,7 @@ def _make_mask_creator(stock: Callable, backends: Backends) -> Callable:
 
 
 # the cache argument is ``past_key_values`` up to transformers 5.23 and ``cache`` from 5.24; passed positionally
-_MASK_PARAMS = ("config", "inputs_embeds", "attention_mask", ("cache", "past_key_values"), "position_ids")
+_MASK_PARAMS = ("config", "inputs_embeds", "attention_mask", CACHE_KEYS, "position_ids")
 CAUSAL_MASK = Replacement("create_causal_mask", _make_mask_creator, _MASK_PARAMS)
 SLIDING_WINDOW_MASK = Replacement("create_sliding_window_causal_mask", _make_mask_creator, _MASK_PARAMS)
 MASK_CREATORS = (CAUSAL_MASK, SLIDING_WINDOW_MASK)
@@ -168,22 +177,23 @@ MASK_CREATORS = (CAUSAL_MASK, SLIDING_WINDOW_MASK)
 
 
 def _make_causal_conv1d(stock: Callable, backends: Backends) -> Callable:
+    cp = backends.context_parallel  # fixed at patch() time: a model without it never runs distributed code
+
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, seq_idx=None, **kwargs):
         if seq_idx is None:
             return stock(hidden_states, weight, bias, activation=activation)
-        ulysses.check_batch(kwargs, backends.context_parallel, "causal conv1d")
-        if backends.context_parallel is not None:
-            return ulysses.causal_conv1d(
-                hidden_states, weight, bias, seq_idx, activation, backend=backends.conv, cp=backends.context_parallel
-            )
-        return causal_conv1d_varlen(hidden_states, weight, bias, seq_idx, activation, backend=backends.conv)
+        if cp is None:
+            return causal_conv1d_varlen(hidden_states, weight, bias, seq_idx, activation, backend=backends.conv)
+        check_batch(kwargs, cp, "causal conv1d")  # channel-parallel over the whole rows
+        return causal_conv1d_head_parallel(hidden_states, weight, bias, seq_idx, activation, backend=backends.conv,
+                                           cp=cp)
 
     return causal_conv1d_fn
 
 
 CAUSAL_CONV1D = Replacement(
     "causal_conv1d_fn", _make_causal_conv1d, ("hidden_states", "weight", "bias", "activation"),
-    kernels="conv: causal-conv1d causal_conv1d_fn(seq_idx)",
+    kernels="conv: causal-conv1d causal_conv1d_fn(seq_idx)", context_parallel=True,
 )
 
 
@@ -191,14 +201,18 @@ CAUSAL_CONV1D = Replacement(
 
 
 def _delta_rule(
-    global_name: str, varlen: Callable, what: str, boundaries: str, stock_takes_kwargs: bool, kernels: str
+    global_name: str, varlen: Callable, head_parallel: Callable, what: str, boundaries: str, stock_takes_kwargs: bool,
+    kernels: str,
 ) -> Replacement:
     """transformers' chunked delta rule ``global_name`` (``query, key, value, g, beta`` and its chunk, state and
     l2norm arguments): the stock function for batches without boundaries, compilepack's op ``varlen`` for those that
-    pass them (as the keyword ``boundaries``). ``stock_takes_kwargs``: the other keywords go to the stock function
-    too."""
+    pass them (as the keyword ``boundaries``), or its ``head_parallel`` wrapper under context parallelism.
+    ``stock_takes_kwargs``: the other keywords go to the stock function too."""
 
     def make(stock: Callable, backends: Backends) -> Callable:
+        cp = backends.context_parallel
+
+
         def chunk_delta_rule(
             query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
             use_qk_l2norm_in_kernel=False, **kwargs,
@@ -211,33 +225,32 @@ def _delta_rule(
                     **(kwargs if stock_takes_kwargs else {}),
                 )
             _refuse_state(initial_state is not None or output_final_state, what)
-            ulysses.check_batch(kwargs, backends.context_parallel, what)
             options = dict(
                 use_qk_l2norm=use_qk_l2norm_in_kernel, cu_seqlens_cpu=kwargs.get(HOST_CU_SEQLENS),
                 backend=backends.gated_delta,
             )
-            if backends.context_parallel is not None:  # head-parallel over the whole rows
-                cp = backends.context_parallel
-                return ulysses.delta_rule(varlen, query, key, value, g, beta, cu_seqlens, cp=cp, where=what, **options), None
-            return varlen(query, key, value, g, beta, cu_seqlens, **options), None
+            if cp is None:
+                return varlen(query, key, value, g, beta, cu_seqlens, **options), None
+            check_batch(kwargs, cp, what)  # head-parallel over the whole rows
+            return head_parallel(query, key, value, g, beta, cu_seqlens, cp=cp, where=what, **options), None
 
         chunk_delta_rule.__name__ = chunk_delta_rule.__qualname__ = global_name
         return chunk_delta_rule
 
     expected = ("query", "key", "value", "g", "beta", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel")
-    return Replacement(global_name, make, expected, kernels)
+    return Replacement(global_name, make, expected, kernels, context_parallel=True)
 
 
 # Gated DeltaNet's delta rule; its layers pass the boundaries as ``cu_seqlens``.
 GATED_DELTA_RULE = _delta_rule(
-    "torch_chunk_gated_delta_rule", gated_delta_rule_varlen, "gated delta rule", "cu_seqlens", stock_takes_kwargs=False,
-    kernels="delta rule: fla chunk_gated_delta_rule(cu_seqlens)",
+    "torch_chunk_gated_delta_rule", gated_delta_rule_varlen, gated_delta_rule_head_parallel, "gated delta rule",
+    CU_SEQLENS, stock_takes_kwargs=False, kernels="delta rule: fla chunk_gated_delta_rule(cu_seqlens)",
 )
 # The KDA kernel of Kimi Linear, given the layer's kwargs; CUDA backend: the gated-delta-rule kind's choice (fla
 # serves both).
 KIMI_DELTA_ATTENTION = _delta_rule(
-    "chunk_kimi_delta_attention", kimi_delta_attention_varlen, "Kimi delta attention", CU_SEQLENS_Q,
-    stock_takes_kwargs=True, kernels="KDA: fla chunk_kda(cu_seqlens)",
+    "chunk_kimi_delta_attention", kimi_delta_attention_varlen, kimi_delta_attention_head_parallel,
+    "Kimi delta attention", CU_SEQLENS_Q, stock_takes_kwargs=True, kernels="KDA: fla chunk_kda(cu_seqlens)",
 )
 
 
@@ -245,6 +258,8 @@ KIMI_DELTA_ATTENTION = _delta_rule(
 
 
 def _make_mamba2_chunk_scan(stock: Callable, backends: Backends) -> Callable:
+    cp = backends.context_parallel
+
     def mamba2_chunk_scan(
         hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None, dt_softplus=False,
         dt_limit=(0.0, math.inf), return_final_states=False, seq_idx=None, z=None, **kwargs,
@@ -257,10 +272,10 @@ def _make_mamba2_chunk_scan(stock: Callable, backends: Backends) -> Callable:
         _refuse_state(initial_states is not None or return_final_states, "Mamba2 scan")
         if z is not None:
             raise NotImplementedError("mamba2_chunk_scan with a gate z is not supported on packed batches yet.")
-        ulysses.check_batch(kwargs, backends.context_parallel, "Mamba2 scan")
         scan = mamba2_chunk_scan_varlen
-        if backends.context_parallel is not None:  # head-parallel over the whole rows
-            scan = functools.partial(ulysses.mamba2_chunk_scan, cp=backends.context_parallel)
+        if cp is not None:  # head-parallel over the whole rows
+            check_batch(kwargs, cp, "Mamba2 scan")
+            scan = functools.partial(mamba2_chunk_scan_head_parallel, cp=cp)
         return scan(
             hidden_states, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
             dt_limit=tuple(dt_limit), seq_idx=seq_idx, backend=backends.ssd,
@@ -273,11 +288,11 @@ MAMBA2_CHUNK_SCAN = Replacement(
     "mamba2_chunk_scan",
     _make_mamba2_chunk_scan,
     ("hidden_states", "dt", "A", "B", "C", "chunk_size", "D", "dt_bias", "initial_states", "dt_softplus", "dt_limit"),
-    kernels="scan: mamba-ssm mamba_chunk_scan_combined(seq_idx)",
+    kernels="scan: mamba-ssm mamba_chunk_scan_combined(seq_idx)", context_parallel=True,
 )
 
 
-def _unfused_when_packed(global_name: str, expected_params: tuple[str, ...]) -> Replacement:
+def _unfused_when_packed(global_name: str, expected_params: tuple[str, ...], context_parallel: bool) -> Replacement:
     """A fused mixer kernel's global: the stock kernel for batches without boundaries; for a packed batch None,
     which is how the stock forward asks for its unfused path, whose conv and scan are compilepack's ops. Decided
     from static facts only (whether ``seq_idx`` is passed)."""
@@ -291,14 +306,16 @@ def _unfused_when_packed(global_name: str, expected_params: tuple[str, ...]) -> 
         unfused_when_packed.__name__ = unfused_when_packed.__qualname__ = global_name
         return unfused_when_packed
 
-    return Replacement(global_name, make, expected_params, kernels=f"fused {global_name}: never on packed batches")
+    return Replacement(global_name, make, expected_params, kernels=f"fused {global_name}: never on packed batches",
+                       context_parallel=context_parallel)
 
 
 # A packed batch always takes the mixer's unfused path, its conv and scan each on their CUDA kernel when
 # installed. The fused kernel is handed raw weights (``out_proj.weight``, the norm's weight), so it would silently
 # bypass adapters such as LoRA on those modules, and the replacement never sees the modules to tell.
 MAMBA2_SPLIT_CONV1D_SCAN = _unfused_when_packed(
-    "mamba2_split_conv1d_scan_combined", ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D", "chunk_size")
+    "mamba2_split_conv1d_scan_combined", ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D", "chunk_size"),
+    context_parallel=True,
 )
 
 
@@ -341,6 +358,7 @@ SELECTIVE_SCAN = Replacement(
 MAMBA_INNER = _unfused_when_packed(
     "mamba_inner_fn",
     ("xz", "conv1d_weight", "conv1d_bias", "x_proj_weight", "delta_proj_weight", "out_proj_weight", "A"),
+    context_parallel=False,
 )
 
 

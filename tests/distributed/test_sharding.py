@@ -94,3 +94,44 @@ def test_refuses_batches_it_cannot_shard():
         shard_batch(batch, cp, verify=False)
     with pytest.raises(ContextParallelError, match="ProcessGroup or a 1-D DeviceMesh"):
         shard_batch(hf_batch(random_docs(256, [4, 4])), "not a group", verify=False)
+
+
+@pytest.mark.parametrize("family_name", ["qwen3_5", "bamba"])
+def test_a_model_patched_without_context_parallelism_runs_no_distributed_code(family_name, tmp_path):
+    """Every call made during a packed forward and backward is traced: none enters compilepack/distributed/ on a
+    model patched without context parallelism. Control: the same model patched with a one-rank gloo group runs
+    its mixers through the collectives there."""
+    import copy
+    import sys
+
+    import torch.distributed as dist
+
+    import compilepack
+    from compilepack.patching import family_named
+    from tests.families import build_tiny
+
+    def distributed_calls(model, batch) -> set[str]:
+        entered = set()
+
+        def profile(frame, event, arg):
+            if event == "call" and "/compilepack/distributed/" in frame.f_code.co_filename:
+                entered.add(frame.f_code.co_name)
+
+        sys.setprofile(profile)
+        try:
+            model(**batch).loss.backward()
+        finally:
+            sys.setprofile(None)
+        return entered
+
+    torch.manual_seed(0)
+    stock = build_tiny(family_named(family_name)).train()
+    batch = hf_batch(random_docs(stock.config.get_text_config().vocab_size, [40, 1, 23], seed=0))
+    assert distributed_calls(compilepack.patch(copy.deepcopy(stock)), batch) == set()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        parallel = compilepack.patch(copy.deepcopy(stock), context_parallel=dist.group.WORLD)
+        entered = distributed_calls(parallel, shard_batch(batch, dist.group.WORLD))
+    finally:
+        dist.destroy_process_group()
+    assert {"check_batch", "split_heads", "gather_heads", "all_to_all"} <= entered, entered

@@ -229,13 +229,17 @@ def _op_cases(total: int) -> dict:
     """Each op under CP and alone: (cp_call(local inputs, params), full_call(inputs, params), inputs, params).
     Inputs are [R, T, ...] token tensors (sliced per rank); params are replicated (gradients summed)."""
     from compilepack import Boundaries
-    from compilepack.distributed import ulysses
+    from compilepack.distributed import ContextParallel
     from compilepack.ops.attention import varlen_attention
+    from compilepack.ops.attention.context_parallel import varlen_attention_head_parallel
     from compilepack.ops.causal_conv1d import causal_conv1d_varlen
+    from compilepack.ops.causal_conv1d.context_parallel import causal_conv1d_head_parallel
     from compilepack.ops.gated_delta_rule import gated_delta_rule_varlen
+    from compilepack.ops.gated_delta_rule.context_parallel import gated_delta_rule_head_parallel
     from compilepack.ops.mamba2 import mamba2_chunk_scan_varlen
+    from compilepack.ops.mamba2.context_parallel import mamba2_chunk_scan_head_parallel
 
-    cp = ulysses.ContextParallel.of(_world())
+    cp = ContextParallel.of(_world())
     b = Boundaries.from_lengths(OP_LENGTHS)
     cu, seq_idx, longest = b.cu_seqlens, b.seq_idx, b.max_seqlen
     generator = torch.Generator().manual_seed(0)
@@ -248,7 +252,7 @@ def _op_cases(total: int) -> dict:
         return varlen_attention(q[0], k[0], v[0], cu, longest)[None]
 
     def attention_cp(q, k, v):
-        return ulysses.attention(
+        return varlen_attention_head_parallel(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cu, longest, global_length=total, cp=cp,
             where="attention", cu_seqlens_cpu=cu,
         )
@@ -257,19 +261,20 @@ def _op_cases(total: int) -> dict:
         return causal_conv1d_varlen(x.transpose(1, 2), weight, bias, seq_idx, "silu").transpose(1, 2)
 
     def conv_cp(x, weight, bias):
-        return ulysses.causal_conv1d(x.transpose(1, 2), weight, bias, seq_idx, "silu", backend="reference", cp=cp).transpose(1, 2)
+        return causal_conv1d_head_parallel(x.transpose(1, 2), weight, bias, seq_idx, "silu", backend="reference",
+                                           cp=cp).transpose(1, 2)
 
     def gdn_full(q, k, v, g, beta):
         return gated_delta_rule_varlen(q, k, v, g, beta, cu)
 
     def gdn_cp(q, k, v, g, beta):
-        return ulysses.delta_rule(gated_delta_rule_varlen, q, k, v, g, beta, cu, cp=cp, where="gdn", cu_seqlens_cpu=cu)
+        return gated_delta_rule_head_parallel(q, k, v, g, beta, cu, cp=cp, where="gdn", cu_seqlens_cpu=cu)
 
     def mamba_full(x, dt, B, C, A, D, dt_bias):
         return mamba2_chunk_scan_varlen(x, dt, A, B, C, 32, D=D, dt_bias=dt_bias, dt_softplus=True, seq_idx=seq_idx)
 
     def mamba_cp(x, dt, B, C, A, D, dt_bias):
-        return ulysses.mamba2_chunk_scan(
+        return mamba2_chunk_scan_head_parallel(
             x, dt, A, B, C, 32, D=D, dt_bias=dt_bias, dt_softplus=True, seq_idx=seq_idx, backend="reference", cp=cp,
         )
 
@@ -419,13 +424,14 @@ def refusals() -> dict:
 
 
 def _conv_with_channels(channels: int):
-    from compilepack.distributed import ulysses
+    from compilepack.distributed import ContextParallel
+    from compilepack.ops.causal_conv1d.context_parallel import causal_conv1d_head_parallel
 
-    cp = ulysses.ContextParallel.of(_world())
+    cp = ContextParallel.of(_world())
     total = 4 * cp.size
     x = torch.randn(1, channels, total // cp.size)
     seq_idx = torch.zeros(1, total, dtype=torch.int32)
-    return ulysses.causal_conv1d(x, torch.randn(channels, 4), None, seq_idx, None, backend="reference", cp=cp)
+    return causal_conv1d_head_parallel(x, torch.randn(channels, 4), None, seq_idx, None, backend="reference", cp=cp)
 
 
 def _mesh_2d():
@@ -500,24 +506,24 @@ def communication(family_name: str) -> dict:
     """Elements this rank sends to the others in one forward (every all-to-all counted as it runs) against the
     formula ``sum over layers of (W - 1) / W^2 x T x e``."""
     import compilepack
-    from compilepack.distributed import shard_batch, ulysses
+    from compilepack.distributed import collectives, shard_batch
 
     model = compilepack.patch(_build(family_name), context_parallel=_world())
     world = dist.get_world_size()
     sent = []
-    exchange = ulysses._all_to_all
+    exchange = collectives.all_to_all
 
     def counting(send, cp):
         sent.append(send.numel() * (cp.size - 1) // cp.size)  # the rank's own chunk stays
         return exchange(send, cp)
 
     sharded = shard_batch(_batches(model.config.vocab_size)["row"], _world())
-    ulysses._all_to_all = counting
+    collectives.all_to_all = counting
     try:
         with torch.no_grad():
             model(**sharded)
     finally:
-        ulysses._all_to_all = exchange
+        collectives.all_to_all = exchange
     tokens = sharded["seq_idx"].numel()
     kinds = _layer_kinds(family_name, model.config)
     expected = sum((world - 1) * tokens * _elements_per_token(model.config, k, world) // world**2 for k in kinds)

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compilepack import ops
-from compilepack.ops import _common, _scaffold
+from compilepack import guards, ops
+from compilepack.ops import _scaffold
 
 T = 12
 BACK_CU = torch.tensor([0, 6, 4, T], dtype=torch.int32)  # 6 then 4: tokens 4-5 in two documents
@@ -89,9 +89,9 @@ def test_boundaries_that_repeat_or_skip_are_accepted(op):
 
 
 def test_seq_idx_is_checked_along_each_row_not_across_rows():
-    _common.refuse_steps_back("op", "seq_idx", torch.tensor([[0, 0, 1], [0, 1, 1]]))  # restarting in each row
+    guards.refuse_steps_back("op", "seq_idx", torch.tensor([[0, 0, 1], [0, 1, 1]]))  # restarting in each row
     with pytest.raises(ValueError, match="goes from 1 to 0 at row 1, index 2"):
-        _common.refuse_steps_back("op", "seq_idx", torch.tensor([[0, 0, 1], [0, 1, 0]]))
+        guards.refuse_steps_back("op", "seq_idx", torch.tensor([[0, 0, 1], [0, 1, 0]]))
 
 
 def test_the_host_copy_is_checked_instead_of_the_tensor_it_copies():
@@ -102,9 +102,9 @@ def test_the_host_copy_is_checked_instead_of_the_tensor_it_copies():
 
 def test_boundaries_off_the_host_are_never_read():
     # a meta tensor cannot be read, as a GPU tensor could not without a sync: the check returns before reading
-    _common.refuse_steps_back("op", "seq_idx", BACK_SEQ_IDX.to("meta"))
+    guards.refuse_steps_back("op", "seq_idx", BACK_SEQ_IDX.to("meta"))
     with pytest.raises(ValueError, match="must not decrease"):  # the same values on the host are refused
-        _common.refuse_steps_back("op", "seq_idx", BACK_SEQ_IDX)
+        guards.refuse_steps_back("op", "seq_idx", BACK_SEQ_IDX)
 
 
 @pytest.mark.parametrize("op", ["causal_conv1d_varlen", "mamba2_chunk_scan_varlen"])

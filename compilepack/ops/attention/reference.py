@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .._chunked import compute_dtype
-from .._common import host_boundaries, refuse_steps_back
+from ...guards import refuse_steps_back
 from .._scaffold import Path
 
 # ``window_left`` when there is no sliding window: flash-attn's and torch's "unbounded" (-1), passed through as is
@@ -60,6 +60,13 @@ def backward(grad_out, out, saved, needs_grad, q, k, v, cu_seqlens, cu_seqlens_c
         dk[start:end] = dk_d[0].transpose(0, 1)  # the kv heads' gradients: summed over the query heads sharing them
         dv[start:end] = dv_d[0].transpose(0, 1)
     return dq, dk, dv
+
+
+def host_boundaries(cu_seqlens: Tensor) -> list[int]:
+    """``cu_seqlens`` as Python ints, for the loop over documents. Only called inside the op's body, which the
+    compiler treats as opaque: the conversion never becomes a graph break. On CPU it is free; a CUDA reference call
+    pays one sync here."""
+    return cu_seqlens.tolist()
 
 
 def _documents(cu_seqlens: Tensor, cu_seqlens_cpu: Tensor | None, total: int) -> list[tuple[int, int]]:
