@@ -9,8 +9,9 @@ is a leak detector for stock transformers, or for another library's patches appl
 
 The checks are :mod:`compilepack.testing`'s: packed == each document alone (logits and gradients), bit-exact
 isolation, one graph / no break / one compile, bf16 autocast within 2x the model's own bf16 error, refusal of
-malformed batches. Prints a table and a verdict, writes ``--json``, and exits 1 when a check fails (2 when the
-model cannot be read or built).
+malformed batches (the model refuses each, or runs it exactly). Prints a table and a verdict, writes ``--json``
+(creating its folder), and exits 0 when every check passes, 1 when one fails, 2 when the model cannot be read or
+built (a one-paragraph message on stderr says which file and how to fix it) or the report cannot be written.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ import torch
 
 from . import testing
 from .errors import UnsupportedModelError
+from .testing.results import describe_error, guarded
 
-CHECKS = ("packed", "isolation", "compile", "bf16", "refusal")
+CHECKS = tuple(testing.CHECK_NAMES)  # the short keys of --checks; results carry the full names
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,8 +59,9 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         wanted = _wanted_checks(args.checks)
+        _prepare_report(args.json)
         model, described = load_model(args)
-    except CheckSetupError as error:
+    except (CheckSetupError, testing.ConfigError) as error:
         print(f"compilepack check: {error}", file=sys.stderr)
         return 2
     print(f"compilepack check {args.model}: {described}; torch {torch.__version__}")
@@ -73,7 +76,12 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(results))
     print(verdict(results, unsupported, args))
     if args.json:
-        _write_json(args, described, results, passed, unsupported, time.monotonic() - started)
+        try:
+            _write_json(args, described, results, passed, unsupported, time.monotonic() - started)
+        except OSError as error:
+            print(f"compilepack check: cannot write the report to {args.json} ({describe_error(error)}); the table "
+                  "above is the result. Choose a writable path for --json.", file=sys.stderr)
+            return 2
     return 0 if passed else 1
 
 
@@ -83,6 +91,20 @@ def _wanted_checks(names: str) -> list[str]:
     if unknown or not wanted:
         raise CheckSetupError(f"unknown checks {unknown or names!r}; choose from {', '.join(CHECKS)}.")
     return wanted
+
+
+def _prepare_report(path: str | None) -> None:
+    """Create the --json report's folder before any check runs: a bad path fails in a second, not after minutes."""
+    if path is None:
+        return
+    if Path(path).is_dir():
+        raise CheckSetupError(f"--json {path} is a folder: give the report's file name, e.g. "
+                              f"{Path(path) / 'report.json'}.")
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise CheckSetupError(f"--json {path}: cannot create its folder ({describe_error(error)}); choose a "
+                              "writable path.") from error
 
 
 def _patched(model) -> tuple[torch.nn.Module, str | None]:
@@ -103,79 +125,28 @@ class CheckSetupError(Exception):
 
 
 def load_model(args) -> tuple[torch.nn.Module, str]:
-    """The model to check and a one-line description of what was built."""
-    config, source = _config(args.model, args.trust_remote_code)
+    """The model to check and a one-line description of what was built. Raises :class:`testing.ConfigError` or
+    :class:`CheckSetupError` (exit code 2) when the config cannot be read or the model cannot be built."""
+    config, source = testing.load_config(args.model, trust_remote_code=args.trust_remote_code)
     full_layers = config.get_text_config().num_hidden_layers
-    builder = _builder(args.trust_remote_code)
-    if not args.full:
-        # with real weights, a prefix of the layers: weights are loaded by layer index
-        config = testing.reduced_config(config, args.layers, builder=builder, prefix=args.weights)
-    torch.manual_seed(args.seed)
+    builder = testing.causal_lm_builder(args.trust_remote_code)
     try:
+        if not args.full:
+            # with real weights, a prefix of the layers: weights are loaded by layer index
+            config = testing.reduced_config(config, args.layers, builder=builder, prefix=args.weights)
+        torch.manual_seed(args.seed)
         model = _from_pretrained(source, config, args) if args.weights else builder(config)
     except (ValueError, OSError, ImportError) as error:
         hint = "" if not args.weights or args.allow_pickle else (
             " (--weights loads safetensors only; --allow-pickle also loads pickled .bin weights, which can run code "
             "when loaded)")
-        raise CheckSetupError(f"cannot build {args.model}: {type(error).__name__}: {testing._first_line(error)}{hint}") from error
+        raise CheckSetupError(f"cannot build {args.model}: {describe_error(error)}{hint}") from error
     model = model.float().eval()
     text = config.get_text_config()
     kinds = getattr(text, "layer_types", None) or getattr(text, "layers_block_type", None)
     layers = f"{text.num_hidden_layers} of {full_layers} layers" + (f" ({', '.join(map(str, kinds))})" if kinds else "")
     weights = "checkpoint weights" if args.weights else "random weights"
     return model, f"{type(model).__name__}, {layers}, hidden {text.hidden_size}, vocab {text.vocab_size}, {weights}"
-
-
-def _config(name: str, trust_remote_code: bool):
-    """(config, checkpoint directory or hub id or None) for a family name, directory, config.json or hub id."""
-    import transformers
-
-    from .patching import family_named, supported_model_types
-
-    if name in supported_model_types():
-        return family_named(name).bench_config(), None
-    path = Path(name)
-    if path.exists():
-        directory = path.parent if path.is_file() else path
-        _refuse_remote_code(directory / "config.json" if path.is_dir() else path, trust_remote_code)
-        config = transformers.AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-        return config, str(directory)
-    try:
-        return transformers.AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code), name
-    except Exception as error:  # noqa: BLE001 - anything from the hub client: say what MODEL can be
-        raise CheckSetupError(
-            f"cannot read {name!r}: not a compilepack family ({', '.join(supported_model_types())}), not a local "
-            f"checkpoint directory or config.json, and not readable from the hub ({type(error).__name__}: "
-            f"{testing._first_line(error)[:200]}). Point it at a directory holding config.json."
-        ) from error
-
-
-def _refuse_remote_code(config_path: Path, trust_remote_code: bool) -> None:
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    if not config_path.exists():
-        raise CheckSetupError(f"{config_path} does not exist: point MODEL at a checkpoint directory or its config.json.")
-    declared = json.loads(config_path.read_text())
-    if declared.get("model_type") not in CONFIG_MAPPING and declared.get("auto_map") and not trust_remote_code:
-        raise CheckSetupError(
-            f"{config_path} declares its own code (auto_map: {sorted(declared['auto_map'])}) for model_type "
-            f"{declared.get('model_type')!r}, which transformers does not ship. Running it means running that "
-            "repository's Python: read it, then pass --trust-remote-code."
-        )
-
-
-def _builder(trust_remote_code: bool) -> Callable:
-    import transformers
-
-    def from_config(config):
-        for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForImageTextToText):
-            try:
-                return auto.from_config(config, trust_remote_code=trust_remote_code)
-            except ValueError:
-                continue
-        raise UnsupportedModelError(f"transformers has no causal-LM class for {type(config).__name__}.")
-
-    return from_config
 
 
 def _from_pretrained(source: str | None, config, args) -> torch.nn.Module:
@@ -232,11 +203,8 @@ def _quiet_dynamo():
 
 
 def _attempt(name: str, check: Callable[[], testing.CheckResult]) -> testing.CheckResult:
-    try:
-        return check()
-    except Exception as error:  # noqa: BLE001 - a check that cannot run is a failed check, with the reason
-        return testing.CheckResult(name, False, f"error: {type(error).__name__}", "runs",
-                                   [f"{type(error).__name__}: {testing._first_line(error)[:300]}"])
+    """``check()``; the check functions never raise, but building their batches can (a model without a config)."""
+    return guarded(testing.CHECK_NAMES[name], "runs", check)
 
 
 class _progress:

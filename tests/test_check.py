@@ -179,12 +179,47 @@ def test_forward_that_recompiles_on_the_document_count_fails_the_compile_check()
 
 
 def test_refusal_check_fails_on_a_batch_that_runs_silently():
-    """A well-formed batch stands in for a malformed one that neither the model nor compilepack.validate catches."""
+    """A batch neither the model nor compilepack.validate catches: the three documents' boundaries dropped (they
+    run as one document). The model runs it and mixes the documents: the check names it, with the error."""
     model = _tiny("llama")
-    bad = {"undetected": testing.packed_batch([[5, 6, 7], [8, 9]]).batch}
-    result = testing.check_refuses_bad_batches(model, bad)
+    documents = testing.malformed_documents(256)
+    undetected = {"undetected": testing.packed_batch([sum(documents, [])]).batch}
+    result = testing.check_refuses_bad_batches(model, undetected)
     assert not result.passed and result.values["silent"] == ["undetected"]
-    assert "RAN SILENTLY" in result.details[0]
+    assert result.values["refused_by_host"] == [] and result.figure.startswith("model 0/1 refused or exact")
+    assert re.match(r"undetected: RAN SILENTLY: the model mixed its documents \(logits off by [\d.e+-]+, tolerance "
+                    r"1e-05\); compilepack.validate accepts it", result.details[0]), result.details[0]
+
+
+def test_refusal_check_measures_the_model_not_the_host_check():
+    """The control of the refusal row: stock Llama runs every malformed batch and mixes its documents; that the
+    host check (compilepack.validate) refuses all 8 must not make it pass. A stock hybrid fails too (it cannot even
+    run the well-formed batch on this CPU); the patched model refuses 7 and runs the host-only fault (labels across
+    a document start) exactly."""
+    names = list(testing.malformed_batches(256))
+    stock = testing.check_refuses_bad_batches(_tiny("llama", patch=False))
+    assert not stock.passed and stock.values["silent"] == names and stock.values["refused_by_host"] == names
+    assert stock.figure == "model 0/8 refused or exact (0 refused, 0 exact); host check 8/8 refused", stock.figure
+    with pytest.raises(AssertionError, match=r"refusal FAILED: model 0/8 .*\n  position_ids restart, no boundary "
+                                             r"kwargs: RAN SILENTLY"):
+        testing.assert_refuses_bad_batches(_tiny("llama", patch=False))
+    hybrid = testing.check_refuses_bad_batches(_tiny("qwen3_5", patch=False))
+    assert not hybrid.passed, str(hybrid)
+    patched = testing.assert_refuses_bad_batches(_tiny("llama"))
+    assert patched.figure == "model 8/8 refused or exact (7 refused, 1 exact); host check 8/8 refused"
+    assert patched.values["exact"] == ["labels across a document start"]
+
+
+def test_refusal_of_the_check_command_fails_on_stock_llama(capsys):
+    assert main(["check", "llama", "--stock", "--checks", "refusal"]) == 1
+    out = capsys.readouterr().out
+    assert "refusal  FAIL    model 0/8 refused or exact" in out and "VERDICT: FAIL (refusal)" in out
+
+
+def test_refusal_check_refuses_batches_of_other_documents():
+    """The "exact" measure compares a batch with the documents it holds: a batch of other tokens is a misuse."""
+    result = testing.check_refuses_bad_batches(_tiny("llama"), {"other": testing.packed_batch([[5, 6, 7]]).batch})
+    assert not result.passed and "the batch 'other' does not hold the tokens of the documents" in result.details[0]
 
 
 def test_unsupported_model_says_so_and_shows_the_stock_leak(tmp_path, capsys):
@@ -217,6 +252,31 @@ def test_custom_code_is_refused_without_trust_remote_code(tmp_path, capsys):
         {"model_type": "my_model", "auto_map": {"AutoConfig": "configuration_my_model.MyConfig"}}))
     assert main(["check", str(tmp_path)]) == 2
     assert "pass --trust-remote-code" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ('{"model_type": "x",\n', "is not valid JSON (Expecting property name enclosed in double quotes: line 2"),
+    ('{"hidden_size": 64}', 'has no "model_type": transformers cannot tell which architecture to build. Add'),
+    ('{"model_type": "no_such_model"}', "has model_type 'no_such_model', which transformers"),
+], ids=["malformed JSON", "no model_type", "unknown model_type"])
+def test_an_unreadable_config_exits_2_with_one_paragraph_naming_the_file(tmp_path, capsys, text, says):
+    (tmp_path / "config.json").write_text(text)
+    assert main(["check", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"compilepack check: {tmp_path / 'config.json'} {says}"), captured.err
+    assert captured.err.count("\n") == 1 and captured.out == ""
+    with pytest.raises(testing.ConfigError, match=re.escape(says)):  # build_model reads configs with the same loader
+        testing.build_model(tmp_path / "config.json")
+
+
+def test_json_report_into_a_missing_folder_creates_it(tmp_path, capsys):
+    report = tmp_path / "reports" / "today" / "llama.json"
+    assert main(["check", "llama", "--checks", "refusal", "--json", str(report)]) == 0
+    assert json.loads(report.read_text())["passed"] is True
+    capsys.readouterr()
+    assert main(["check", "llama", "--checks", "refusal", "--json", str(tmp_path)]) == 2  # a folder: before any check
+    assert capsys.readouterr().err == (f"compilepack check: --json {tmp_path} is a folder: give the report's file "
+                                       f"name, e.g. {tmp_path / 'report.json'}.\n")
 
 
 def test_a_failing_check_reports_the_failure_in_the_table(capsys):
