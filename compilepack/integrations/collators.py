@@ -13,9 +13,9 @@ from collections.abc import Callable, MutableMapping
 
 import torch
 
-from .boundaries import ATTENTION_MASK, CU_SEQLENS_Q, HOST_BOUNDARY_KEYS, POSITION_IDS
-from .layout import Boundaries
-from .validation import validate
+from ..boundaries import ATTENTION_MASK, CU_SEQLENS_Q, HOST_BOUNDARY_KEYS, POSITION_IDS
+from ..layout import Boundaries
+from ..validation import validate
 
 
 def with_boundaries(collate_fn: Callable) -> Callable:
