@@ -21,9 +21,11 @@ The patched decoder checks every batch it receives, whoever built it:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 
 import torch
+from torch._dynamo.exc import UserError, UserErrorType
 
 from .boundaries import (
     ATTENTION_MASK,
@@ -142,7 +144,7 @@ def _refuse_if(broken: bool, rule: Rule, *found) -> bool:
     Under torch.compile dynamo calls this at trace time with its constant arguments instead of tracing it: the
     refusal surfaces as the compile error's first line, and a valid batch adds no node to the graph."""
     if broken:
-        raise rule.refuse(_described(*found))
+        raise _as_raised(BoundaryError, rule.message(_described(*found)))
     return False
 
 
@@ -172,6 +174,35 @@ def _check_cu_static(key: str, cu, device: torch.device) -> None:
     bad = not isinstance(cu, torch.Tensor) or cu.dtype not in _INTEGER_DTYPES or cu.dim() != 1 or cu.shape[0] < 2
     _refuse_if(_decided(bad), _about(key, CU_TENSOR), *_facts(cu))
     _refuse_if(cu.device.type != "cpu" and cu.device != device, _about(key, CU_DEVICE), *_facts(cu))
+
+
+@torch.compiler.assume_constant_result
+def refuse(error_type: type[Exception], message: str) -> bool:
+    """Raise ``error_type(message)``, in eager and while dynamo traces a compiled model alike, so that a user's
+    ``except BoundaryError`` (or ``ContextParallelError``...) catches a compiled model's refusal too.
+
+    For the refusals a patched forward makes from static facts (what a batch holds, types, shapes). Dynamo calls
+    this at trace time with its constant arguments (the message is built from constants) instead of tracing a
+    ``raise``, which ``fullgraph=True`` would turn into an "Observed exception"."""
+    raise _as_raised(error_type, message)
+
+
+def _as_raised(error_type: type[Exception], message: str) -> Exception:
+    """``error_type(message)``; while dynamo traces, an instance of a subclass that is also dynamo's ``UserError``,
+    the kind of exception dynamo re-raises as it is: any other it rewraps as ``InternalTorchDynamoError`` with no
+    cause, which an ``except BoundaryError`` misses."""
+    if not torch.compiler.is_compiling():
+        return error_type(message)
+    return _raised_while_tracing(error_type)(message)
+
+
+@functools.cache
+def _raised_while_tracing(error_type: type[Exception]) -> type[Exception]:
+    def __init__(self, message: str) -> None:
+        UserError.__init__(self, UserErrorType.INVALID_INPUT, message)
+
+    # the same name, so the compile error reads as the eager one ("BoundaryError: 'cu_seq_lens_q': expected ...")
+    return type(error_type.__name__, (error_type, UserError), {"__init__": __init__, "__module__": error_type.__module__})
 
 
 def _decided(condition) -> bool:

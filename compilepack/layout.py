@@ -108,10 +108,12 @@ class Boundaries(NamedTuple):
         return self.cu_seqlens.numel() - 1
 
     def as_kwargs(self) -> dict:
-        """The HF collator's keys for these boundaries, ready for ``model(**batch)``."""
+        """The HF collator's keys for these boundaries, ready for ``model(**batch)``: as the HF collator, two equal
+        tensors for ``cu_seq_lens_q`` and ``_k`` (one object in both would make a compiled model that also sees the
+        HF collator's batches compile again: dynamo guards on inputs' identity)."""
         return {
             CU_SEQLENS_Q: self.cu_seqlens,
-            CU_SEQLENS_K: self.cu_seqlens,
+            CU_SEQLENS_K: self.cu_seqlens.clone(),
             MAX_LENGTH_Q: self.max_seqlen,
             MAX_LENGTH_K: self.max_seqlen,
             SEQ_IDX: self.seq_idx,

@@ -111,3 +111,34 @@ def test_every_document_arrives_whole_and_valid(lengths, fixed, flatten):
     assert sorted(map(tuple, _documents(batch))) == sorted(tuple(f["input_ids"]) for f in features)
     boundaries = compilepack.validate(batch)
     assert boundaries.max_seqlen >= max(lengths)
+
+
+def test_every_batch_source_matches_the_hf_collator_form_so_alternating_them_compiles_once():
+    """dynamo guards on inputs being the same object: a source passing one tensor as both cu_seq_lens_q and
+    cu_seq_lens_k compiles again when a batch of the HF collator (two tensors) follows. Every compilepack source
+    gives two tensors, so a stream alternating the HF collator, PackedCollator, with_boundaries and the testing
+    batches compiles once; shard_batch's shards (a context-parallel model's own stream) give two tensors too."""
+    from transformers import DataCollatorWithFlattening
+
+    from compilepack.distributed import ContextParallel, shard_batch
+    from compilepack.integrations import with_boundaries
+    from compilepack.patching import family_named
+    from compilepack.testing import packed_batch
+    from tests.families import build_tiny
+
+    sources = {
+        "hf": HF_COLLATOR,
+        "packed_collator": PackedCollator(),
+        "with_boundaries": with_boundaries(DataCollatorWithFlattening()),
+        "testing": lambda features: packed_batch([f["input_ids"] for f in features]).batch,
+    }
+    lengths = [[7, 1, 12], [20, 3], [5, 5, 5, 9], [11, 2, 1, 30], [6, 17]]
+    stream = [collate(_features(lengths[i % len(lengths)])) for i in range(8) for collate in sources.values()]
+    for name, collate in sources.items():
+        batch = collate(_features([4, 6]))
+        assert batch["cu_seq_lens_k"] is not batch["cu_seq_lens_q"], name
+    shard = shard_batch(HF_COLLATOR(_features([4, 6])), ContextParallel(None, 2, 0), verify=False)
+    assert shard["cu_seq_lens_k"] is not shard["cu_seq_lens_q"]
+    model = compilepack.patch(build_tiny(family_named("llama")).eval())
+    report = compilepack.count_compiles(model, stream, dynamic=True, reset=True)
+    assert report.compiles == 1, report.recompile_reasons

@@ -14,13 +14,16 @@ every layer has attention (``2 n d`` for scores and values against ``24 d^2`` fo
 token and layer); divide by the fraction of attention layers for hybrids (Qwen3-Next: 1/4).
 
 Deterministic: the plan is a function of (lengths, seed, epoch, ranks, budget) only. Resumable: the state is
-(epoch, step), restored with :meth:`BalancedBatchSampler.load_state_dict`.
+(epoch, steps taken), restored with :meth:`BalancedBatchSampler.load_state_dict`; the steps taken are counted where
+the training loop receives its batches, not where a loader's workers draw them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+import hashlib
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -34,21 +37,32 @@ def document_cost(length: int, attention_length: float) -> float:
 class BalancedBatchSampler:
     """Batch sampler of dataset indices: this rank's documents of each step, balanced by cost across ranks.
 
-    Use it as a ``DataLoader``'s ``batch_sampler`` with a packing collator, on every data-parallel rank (every rank
-    of a context-parallel group uses the group's data-parallel rank)::
+    Use it on every data-parallel rank (every rank of a context-parallel group uses the group's data-parallel rank),
+    through :meth:`loader`, which counts the batches the training loop takes::
 
         sampler = BalancedBatchSampler(lengths, num_replicas=dp_size, rank=dp_rank, tokens_per_rank=8192, seed=0)
-        loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=compilepack.PackedCollator())
+        loader = sampler.loader(dataset, collate_fn=compilepack.PackedCollator(), num_workers=2)
         for epoch in range(epochs):
             sampler.set_epoch(epoch)
             for batch in loader: ...
         state = sampler.state_dict()   # save with the checkpoint; sampler.load_state_dict(state) resumes there
 
+    A ``DataLoader`` with workers draws batches of indices ahead of the loop (``prefetch_factor x num_workers``), so
+    what the sampler has yielded is not what was trained on: the state counts the batches :meth:`loader` (or
+    :meth:`track` around another loader) handed to the loop. After an untracked iteration (a plain ``DataLoader``
+    given ``batch_sampler=sampler``), :meth:`state_dict` refuses mid-epoch unless told the step
+    (``state_dict(step=steps_taken)``).
+
+    Every rank gets a document in every step: a final step with fewer (non-empty) documents than ranks joins the
+    step before it (``drop_last=True`` drops it instead); an epoch with fewer documents than ranks has no step, on
+    every rank alike, with a warning. A document longer than ``tokens_per_rank`` is warned about once (its rank's
+    row is that long).
+
     With HF Trainer, return such a DataLoader from ``get_train_dataloader`` (do not let accelerate re-shard it:
     it is already per rank).
 
     Args:
-        lengths: token count of every dataset item, in dataset order.
+        lengths: token count of every dataset item, in dataset order (ints >= 0).
         num_replicas: data-parallel ranks.
         rank: this rank, ``0 <= rank < num_replicas``.
         tokens_per_rank: the step's token budget per rank: a step takes documents in (shuffled) order while they
@@ -56,8 +70,7 @@ class BalancedBatchSampler:
         seed: shuffling seed (the same on every rank).
         shuffle: shuffle the documents each epoch (``seed + epoch``); else dataset order.
         attention_length: see :func:`document_cost` (``12 x hidden_size`` for attention in every layer).
-        drop_last: drop a final step that holds fewer than ``num_replicas`` documents (else it is kept and ranks
-            without a document get none: only the last step).
+        drop_last: drop a final step that holds fewer documents than ranks, instead of joining it to the one before.
     """
 
     lengths: Sequence[int]
@@ -69,27 +82,39 @@ class BalancedBatchSampler:
     attention_length: float = 12 * 4096
     drop_last: bool = False
     epoch: int = 0
-    step: int = 0  # steps of ``epoch`` already yielded: where iteration resumes
+    step: int = 0  # steps of ``epoch`` the training loop has taken: where iteration resumes
+    _tracked: bool = dataclasses.field(default=False, init=False, repr=False)  # counting consumption (loader/track)
+    _untracked_ahead: bool = dataclasses.field(default=False, init=False, repr=False)
 
     def __post_init__(self):
         if not 0 <= self.rank < self.num_replicas:
             raise ValueError(f"rank={self.rank} must be in [0, num_replicas={self.num_replicas}).")
         if self.tokens_per_rank < 1:
             raise ValueError(f"tokens_per_rank must be >= 1, got {self.tokens_per_rank}.")
+        bad = next((i for i, n in enumerate(self.lengths) if isinstance(n, bool) or int(n) != n or n < 0), None)
+        if bad is not None:
+            raise ValueError(f"lengths[{bad}] = {self.lengths[bad]!r}: every length must be an int >= 0 (the token "
+                             "count of that dataset item).")
+        over = [n for n in self.lengths if n > self.tokens_per_rank]
+        if over:
+            warnings.warn(
+                f"BalancedBatchSampler: {len(over)} document(s) are longer than tokens_per_rank={self.tokens_per_rank} "
+                f"(the longest {max(over)} tokens): each goes whole to one rank, whose row is then that long. Raise "
+                "tokens_per_rank, or split or drop such documents before sampling.", stacklevel=2)
 
     def plan(self, epoch: int | None = None) -> list[list[list[int]]]:
         """Every step of ``epoch``: for each rank, its dataset indices (the same on every rank)."""
         order = self._order(self.epoch if epoch is None else epoch)
-        steps = [self._deal(step) for step in self._steps(order)]
-        if self.drop_last and steps and any(not share for share in steps[-1]):
-            steps.pop()
-        return steps
+        return [self._deal(step) for step in self._steps(order)]
 
     def __iter__(self) -> Iterator[list[int]]:
-        for share in (steps := self.plan())[self.step :]:
-            self.step += 1
+        steps = self.plan()
+        self._untracked_ahead = not self._tracked and self.step < len(steps)
+        for share in steps[self.step:]:
+            if not self._tracked:  # no consumption count: yielded is all the sampler knows
+                self.step += 1
             yield share[self.rank]
-        if self.step >= len(steps):
+        if not self._tracked:
             self.epoch, self.step = self.epoch + 1, 0
 
     def __len__(self) -> int:
@@ -99,13 +124,59 @@ class BalancedBatchSampler:
         if epoch != self.epoch:
             self.epoch, self.step = epoch, 0
 
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "step": self.step, "seed": self.seed}
+    # ------------------------------------------------------------------------------------------ resume
+
+    def loader(self, dataset, **dataloader_kwargs) -> torch.utils.data.DataLoader:
+        """A ``DataLoader`` over ``dataset`` with this sampler as its ``batch_sampler`` (any other DataLoader
+        option: ``collate_fn``, ``num_workers``, ``prefetch_factor``...), whose iteration counts the batches it hands
+        to the training loop: :meth:`state_dict` is then exact whatever its workers draw ahead."""
+        return _CountingLoader(dataset, batch_sampler=self, **dataloader_kwargs)
+
+    def track(self, batches: Iterable) -> Iterator:
+        """Iterate ``batches`` (a loader over this sampler), counting each batch handed on as a step taken; the
+        end of the iteration ends the epoch. What :meth:`loader` does, for loaders built elsewhere."""
+        self._tracked = True
+        try:
+            for batch in batches:
+                self.step += 1
+                yield batch
+            self.epoch, self.step = self.epoch + 1, 0
+        finally:
+            self._tracked = False
+
+    def state_dict(self, step: int | None = None) -> dict:
+        """Where iteration resumes: the epoch, the steps taken (counted by :meth:`loader` / :meth:`track`, or
+        ``step`` when given), and the settings that decide the plan (checked by :meth:`load_state_dict`)."""
+        if step is None and self._untracked_ahead and not self._tracked and self.step > 0:
+            raise ValueError(
+                "BalancedBatchSampler.state_dict(): this epoch was iterated by a loader the sampler cannot count (a "
+                "plain DataLoader: its workers draw batches ahead of the training loop, so the steps the sampler "
+                "yielded are not the steps taken). Iterate sampler.loader(dataset, ...) or sampler.track(loader), or "
+                "pass the steps taken: sampler.state_dict(step=steps_taken)."
+            )
+        return {"epoch": self.epoch, "step": self.step if step is None else int(step), "seed": self.seed,
+                "settings": self._settings()}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("seed", self.seed) != self.seed:
             raise ValueError(f"the saved sampler state has seed {state['seed']}, this sampler {self.seed}.")
+        saved, now = state.get("settings"), self._settings()
+        if saved is not None and saved != now:
+            differ = "; ".join(f"{key}: saved {saved.get(key)!r}, now {now.get(key)!r}"
+                               for key in sorted({**saved, **now}) if saved.get(key) != now.get(key))
+            raise ValueError(
+                f"the saved sampler state was made with other settings ({differ}): its plan differs, so resuming "
+                "would skip or repeat documents. Build the sampler with the saved settings (and the same dataset)."
+            )
         self.epoch, self.step = int(state["epoch"]), int(state["step"])
+        self._untracked_ahead = False
+
+    def _settings(self) -> dict:
+        """What decides the plan besides the seed (the rank does not: every rank shares one plan)."""
+        digest = hashlib.sha1(",".join(map(str, self.lengths)).encode()).hexdigest()[:16]
+        return {"num_replicas": self.num_replicas, "tokens_per_rank": self.tokens_per_rank, "shuffle": self.shuffle,
+                "attention_length": self.attention_length, "drop_last": self.drop_last,
+                "documents": len(self.lengths), "lengths_sha1": digest}
 
     # ------------------------------------------------------------------------------------------ steps
 
@@ -116,23 +187,50 @@ class BalancedBatchSampler:
         return torch.randperm(len(self.lengths), generator=generator).tolist()
 
     def _steps(self, order: list[int]) -> list[list[int]]:
-        """Consecutive documents while they fit in the global budget; at least one document per rank."""
+        """Consecutive documents while they fit in the global budget, each step with at least one non-empty
+        document per rank; a short final step joins the step before (or is dropped with ``drop_last``)."""
         budget = self.num_replicas * self.tokens_per_rank
-        steps, current, used = [], [], 0
+        steps, current, used, filled = [], [], 0, 0
         for index in order:
             length = self.lengths[index]
-            if len(current) >= self.num_replicas and used + length > budget:
+            if filled >= self.num_replicas and used + length > budget:
                 steps.append(current)
-                current, used = [], 0
+                current, used, filled = [], 0, 0
             current.append(index)
-            used += length
-        if current:
+            used, filled = used + length, filled + (length > 0)
+        if current and filled >= self.num_replicas:
             steps.append(current)
+        elif current and steps and not self.drop_last:
+            steps[-1] = steps[-1] + current  # every rank gets a document: the leftovers join the last full step
+        elif current and not steps:
+            warnings.warn(
+                f"BalancedBatchSampler: the epoch holds {filled} non-empty document(s) for {self.num_replicas} "
+                "ranks: no step can give every rank a document, so every rank skips it (no step this epoch).",
+                stacklevel=3)
         return steps
 
     def _deal(self, step: list[int]) -> list[list[int]]:
         """Longest-processing-time first: costliest document to the least loaded rank (lowest rank on ties)."""
         return deal_by_cost([self.lengths[i] for i in step], self.num_replicas, self.attention_length, step)
+
+
+class _CountingLoader(torch.utils.data.DataLoader):
+    """A DataLoader whose iteration goes through its :class:`BalancedBatchSampler`'s :meth:`~BalancedBatchSampler.track`."""
+
+    def __iter__(self):
+        # the base iterator is made inside track(), once counting is on: its workers draw indices as soon as it
+        # exists, and those draws must not count as steps taken
+        return self.batch_sampler.track(_Later(super().__iter__))
+
+
+class _Later:
+    """An iterable that makes its iterator only when iterated."""
+
+    def __init__(self, make_iterator):
+        self.make_iterator = make_iterator
+
+    def __iter__(self):
+        return self.make_iterator()
 
 
 def deal_by_cost(

@@ -40,6 +40,7 @@ from ..boundaries import (
     SHIFT_LABELS,
 )
 from ..errors import ContextParallelError
+from ..guards import refuse
 from ..layout import Boundaries
 from ..validation import IGNORE_INDEX, validate
 from .context_parallel import ContextParallel
@@ -103,7 +104,8 @@ def shard_batch(batch: dict, group_or_mesh, *, pad_token_id: int = 0, verify: bo
         sharded[SHIFT_LABELS] = sharded[LABELS]
         sharded[NUM_ITEMS_IN_BATCH] = (tokens[LABELS] != IGNORE_INDEX).sum()
     sharded.update({
-        CU_SEQLENS_Q: boundaries.cu_seqlens, CU_SEQLENS_K: boundaries.cu_seqlens,
+        # two equal tensors, as the HF collator gives (one object in both: a compiled model's guard on identity)
+        CU_SEQLENS_Q: boundaries.cu_seqlens, CU_SEQLENS_K: boundaries.cu_seqlens.clone(),
         MAX_LENGTH_Q: boundaries.max_seqlen, MAX_LENGTH_K: boundaries.max_seqlen, SEQ_IDX: boundaries.seq_idx,
     })
     sharded[SHARD_KEY] = cp
@@ -185,11 +187,13 @@ def check_batch(kwargs: dict, cp: ContextParallel, where: str) -> None:
     if shard is cp:
         return
     if shard is None:
-        raise ContextParallelError(
+        refuse(
+            ContextParallelError,
             f"{where}: the model runs context-parallel over {cp.size} ranks but the batch was not sharded; pass "
             f"compilepack.distributed.shard_batch(batch, group) (each rank keeps 1/{cp.size} of every row)."
         )
-    raise ContextParallelError(
+    refuse(
+        ContextParallelError,
         f"{where}: the batch was sharded for {shard.describe()} but the model runs {cp.describe()}; shard with the "
         "group the model was patched with."
     )
@@ -199,9 +203,10 @@ def check_shard(local: int, global_: int, cp: ContextParallel, where: str) -> No
     """Refuse a batch whose local length times W is not the length the global boundaries describe: a batch that
     was not sharded (or was sharded for another group size). Static shapes only: safe to trace."""
     if local * cp.size != global_:
-        raise ContextParallelError(
-            f"{where}: this rank holds {local} tokens per row but the boundaries (seq_idx) describe rows of "
-            f"{global_}; under context parallelism of size {cp.size} each rank must hold exactly 1/{cp.size} of "
+        refuse(
+            ContextParallelError,
+            f"{where}: this rank holds {int(local)} tokens per row but the boundaries (seq_idx) describe rows of "
+            f"{int(global_)}; under context parallelism of size {cp.size} each rank must hold exactly 1/{cp.size} of "
             "every row. Shard every batch with compilepack.distributed.shard_batch(batch, group)."
         )
 
@@ -216,7 +221,8 @@ def shards_per_row(kwargs: dict, tokens: Tensor) -> int:
     if shard is None:
         return 1
     if kwargs.get(POSITION_IDS) is None:
-        raise ContextParallelError(
+        refuse(
+            ContextParallelError,
             "a context-parallel shard needs its 'position_ids' (positions inside each document, global: they cannot "
             "be derived from a slice of a row); shard with compilepack.distributed.shard_batch, which sets them."
         )

@@ -107,9 +107,10 @@ def prepare_packed_kwargs(kwargs: dict, context_parallel=None) -> dict:
 def _refuse_shard(kwargs: dict) -> None:
     """A batch sharded for context parallelism, given to a model patched without it (a static fact)."""
     if kwargs.get(SHARD_KEY) is not None:
-        raise ContextParallelError(
+        guards.refuse(
+            ContextParallelError,
             f"the batch was sharded for context parallelism (it has '{SHARD_KEY}') but the model was patched without "
-            "it; patch with compilepack.patch(model, context_parallel=group), or pass the unsharded batch."
+            "it; patch with compilepack.patch(model, context_parallel=group), or pass the unsharded batch.",
         )
 
 

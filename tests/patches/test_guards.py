@@ -126,6 +126,29 @@ def test_every_broken_rule_is_refused_compiled(models, family, variant):
                 pytest.fail(f"{family.name}: a batch breaking '{rule}' ran compiled")
 
 
+@pytest.mark.parametrize("family, variant", [f for f in FAMILIES if f.id in ("llama", "qwen3_5", "bamba")])
+def test_static_refusals_of_a_compiled_model_are_caught_as_boundary_errors(models, family, variant):
+    """``except compilepack.BoundaryError`` catches a compiled model's refusal as it catches the eager one: the
+    static rules are refused while dynamo traces, and dynamo would rewrap any other exception type as an
+    InternalTorchDynamoError without a cause. The message is the eager one (the rule's text first)."""
+    from compilepack.distributed import ContextParallel, ContextParallelError, shard_batch
+
+    _, patched, docs = models(family, variant)
+    compiled = torch.compile(patched, backend="eager", fullgraph=True, dynamic=True)
+    cases = {**STATIC_RULES, "meta boundaries": (_set(cu=_cu(CU).to("meta")), r"'cu_seq_lens_q': expected a tensor on "),
+             "float seq_idx": (_set(seq_idx=torch.zeros(1, 16)), r"'seq_idx': expected an int32")}
+    with torch.no_grad():
+        for rule, (breaks, message) in cases.items():
+            with pytest.raises(BoundaryError, match="^" + message):
+                compiled(**breaks(_valid(docs)))
+                pytest.fail(f"{family.name}: a batch breaking '{rule}' ran compiled")
+            torch._dynamo.reset()
+        sharded = shard_batch(_valid(docs), ContextParallel(None, 1, 0), verify=False)
+        with pytest.raises(ContextParallelError, match="^the batch was sharded for context parallelism"):
+            compiled(**sharded)
+    torch._dynamo.reset()
+
+
 # ------------------------------------------------------------------------------------------------ nothing silent
 
 
