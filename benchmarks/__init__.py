@@ -11,7 +11,8 @@
 Inside: ``data`` makes the documents and batches, ``modes`` says how each mode batches, patches and compiles,
 ``worker`` measures one mode (in its own process, see ``isolation``), ``rounds`` drives the paired rounds,
 ``bars`` checks the bars, ``report`` writes JSON, markdown and the plot, ``history`` appends the history table.
-Results: ``benchmarks/results/`` (the latest run of each kind, and ``history.csv``); see docs/benchmarks.md.
+Results: ``benchmarks/results/`` (the latest run of each kind, and ``history.csv``, a row per family and mode of
+every run); lab notes (dated measurements, what was tried): ``benchmarks/notes/``; the guide: docs/benchmarks.md.
 
 This package imports compilepack; compilepack never imports it (it is not in the wheel).
 """

@@ -25,8 +25,6 @@ import time
 from .history import RESULTS
 
 ROWS = (4096, 16384, 65536)
-EQUAL = ("patched_packed_eager", "stock_grouped_eager")
-MIX = ("patched_packed_eager", "stock_padded_eager")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,17 +46,24 @@ def main(argv: list[str] | None = None) -> int:
         "load_avg": {"start": load_start, "end": _load()}, "wall_s": round(time.monotonic() - started, 1),
         "points": points, **_versions(),
     }
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     allocator = "" if args.allocator == "keep" else f"{args.allocator}-"
-    stem = out / f"long-rows-cpu-{allocator}{datetime.date.today().isoformat()}"
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
-    stem.with_suffix(".md").write_text(markdown(report))
-    if can_plot:
-        plot(report, stem.with_suffix(".png"))
-    print(markdown(report))
-    print(f"wrote {stem}.json, .md" + (", .png" if can_plot else ""))
+    write(report, pathlib.Path(args.out), f"long-rows-cpu-{allocator}{datetime.date.today().isoformat()}", can_plot)
     return 0
+
+
+def write(report: dict, out: pathlib.Path, stem: str, can_plot: bool = True) -> None:
+    """The sweep's JSON, markdown and plot; its rows appended to the history table; older sweeps of its kind
+    removed from ``out`` (the folder keeps the latest run of each kind)."""
+    from . import history
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(markdown(report))
+    if can_plot:
+        plot(report, out / f"{stem}.png")
+    print(markdown(report))
+    print(f"wrote {out / stem}.json, .md" + (", .png" if can_plot else ""))
+    print(history.record(report, out, stem))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -112,9 +117,15 @@ def mixed_documents(tokens: int) -> list[list[int]]:
 
 
 def _measure_point(args, family: str, tokens: int) -> list[dict]:
-    points = [_compare(args, family, tokens, "equal", EQUAL, equal_documents(tokens, args.doc_len))]
+    from .modes import PATCHED_PACKED_EAGER, STOCK_GROUPED_EAGER, STOCK_PADDED_EAGER
+
+    # patched first: a point's ratio is patched over stock
+    equal = _compare(args, family, tokens, "equal", (PATCHED_PACKED_EAGER, STOCK_GROUPED_EAGER),
+                     equal_documents(tokens, args.doc_len))
+    points = [equal]
     if tokens <= args.padded_max:
-        points.append(_compare(args, family, tokens, "mix", MIX, mixed_documents(tokens)))
+        points.append(_compare(args, family, tokens, "mix", (PATCHED_PACKED_EAGER, STOCK_PADDED_EAGER),
+                               mixed_documents(tokens)))
     else:
         points.append({"family": family, "tokens": tokens, "documents": "mix", "skipped":
                        f"stock padded above --padded-max {args.padded_max} tokens"})

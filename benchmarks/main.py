@@ -128,10 +128,10 @@ def run(args) -> int:
 
 
 # What --widths real changes when the option is not given: a real-width step takes 10-60 s on 2 CPU cores, and a
-# worker holds 1-12 GB, so fewer, shorter steps, the two modes the issue compares, and one worker at a time.
+# worker holds 1-12 GB, so fewer, shorter steps, the two modes the issue compares (modes.REAL_WIDTH_MODES), and one
+# worker at a time.
 REAL_DEFAULTS = {"steps": 2, "tokens_per_step": 512, "warmup": "one-at-a-time", "mode_timeout": 900.0,
-                 "step_timeout": 1800.0,
-                 "modes": ("stock_grouped_eager", "patched_packed_eager")}
+                 "step_timeout": 1800.0}
 BENCH_DEFAULTS = {"steps": 3, "tokens_per_step": 8192, "warmup": "compiles-first", "mode_timeout": 120.0,
                   "step_timeout": 300.0}
 REAL_LEFT_OUT = ("at real widths a CPU step is 85-95% dense matmuls (the LM head and the projections), which "
@@ -168,15 +168,15 @@ def resolve_families(text: str, widths: str = "bench") -> list[str]:
 
 def resolve_modes(text: str | None, full: bool = False, widths: str = "bench") -> tuple[list[str], str, dict[str, str]]:
     """(modes in the documented order, "default"/"full"/"custom", left-out mode -> why)."""
-    from .modes import DEFAULT_MODES, LEFT_OUT_BY_DEFAULT, MODE_NAMES, mode_named
+    from .modes import DEFAULT_MODES, LEFT_OUT_BY_DEFAULT, MODE_NAMES, REAL_WIDTH_MODES, mode_named
 
     if full and text is not None and text.strip() != "all":
         raise SystemExit("--full runs every mode; give either --full or --modes")
     if full or (text is not None and text.strip() == "all"):
         return list(MODE_NAMES), "full", {}
     if text is None and widths == "real":
-        chosen = REAL_DEFAULTS["modes"]
-        return list(chosen), "default", {name: REAL_LEFT_OUT for name in MODE_NAMES if name not in chosen}
+        return list(REAL_WIDTH_MODES), "default", {name: REAL_LEFT_OUT for name in MODE_NAMES
+                                                   if name not in REAL_WIDTH_MODES}
     if text is None:
         return list(DEFAULT_MODES), "default", dict(LEFT_OUT_BY_DEFAULT)
     chosen = {mode_named(name.strip()).name for name in text.split(",") if name.strip()}
@@ -413,10 +413,7 @@ def _write(report: dict, out: pathlib.Path, stem: str, can_plot: bool = True) ->
         plot(report, out / f"{stem}.png")
     print_console(report)
     print(f"wrote {out / stem}.json, .md" + (", .png" if can_plot else " (no .png: matplotlib is not installed, or --no-plot)"))
-    appended = history.append(report, out / history.HISTORY, f"{stem}.json")
-    removed = history.keep_latest(out, stem)
-    print(f"appended {appended} rows to {out / history.HISTORY}" + (f"; removed the older {', '.join(removed)}"
-                                                                     if removed else ""))
+    print(history.record(report, out, stem))
 
 
 def _device_label(device: str) -> str:

@@ -164,12 +164,11 @@ def keep_freed_memory() -> bool:
     glibc serves every block above its mmap threshold (32 MB at most) with a fresh ``mmap`` and unmaps it when
     freed, so each training step page-faults (the kernel zero-fills) every such tensor again. On a 64k-token row of
     the Qwen3.5 bench model that is 4.3 M page faults (17 GB zero-filled) and ~40% of the step's CPU time, in
-    stock and patched models alike (measured 2026-12-01). With mmap off and the heap never trimmed, freed blocks
-    stay in the heap and are reused, and the process holds its high-water mark, as a caching allocator does.
-    (Before 2026-12-02 the heap was trimmed above 2 GB, the largest positive threshold mallopt takes, which a
-    stock padded hybrid step, peaking near 6 GB, exceeds: of three such runs of the Qwen3.5 bench model one
-    faulted 0.15-0.7 M pages in each later step, 7.4-8.1 s a step, the others 7-9 pages, as did both untrimmed
-    runs, 6.7-7.9 s.) Returns False where there is no glibc (nothing changed)."""
+    stock and patched models alike. With mmap off and the heap never trimmed, freed blocks stay in the heap and are
+    reused, and the process holds its high-water mark, as a caching allocator does. Never trimmed, not trimmed
+    above a threshold: the largest positive threshold mallopt takes is 2 GB, which a stock padded hybrid step,
+    peaking near 6 GB, exceeds; trimmed there, some runs faulted 0.15-0.7 M pages again in every later step (7.4-8.1
+    s a step against 6.7-7.9 s untrimmed). Returns False where there is no glibc (nothing changed)."""
     import ctypes
 
     try:

@@ -109,8 +109,8 @@ in the tests): their experts run, on CPU, transformers' own `grouped_mm` fallbac
 passes on every release.
 """
 
-# release -> (families tested, what ran, result), from tests/check_transformers.sh runs on 2026-12-01 (5.18-5.19 ran
-# before the MoE graph counts became a strict xfail: their 8 failures are exactly those cases)
+# release -> (families tested, what ran, result), from tests/check_transformers.sh runs (dated in RELEASES); 5.18-5.19
+# show 8 failures rather than xfails because they ran before the MoE graph counts became a strict xfail
 RELEASE_RESULTS = {
     "5.18.0": ("20", "tests/patches", "309 passed, 1 skipped; 8 failed = the MoE forward+backward graph counts (xfail)"),
     "5.19.0": ("20", "tests/patches", "309 passed, 1 skipped; 8 failed = the MoE forward+backward graph counts (xfail)"),
@@ -121,7 +121,7 @@ RELEASE_RESULTS = {
     "5.24.0": ("21", "the whole suite (CI)", "every test passes"),
 }
 
-# Measured with tests/patches/test_plain_batches.py's row (2026-12-01, transformers 5.24.0): stock on a
+# Measured with tests/patches/test_plain_batches.py's row (transformers 5.24.0): stock on a
 # position_ids-only packed row, and what the patched model does with it.
 POSITIONS_ONLY = """## Packed rows without boundaries
 

@@ -16,6 +16,16 @@ from . import data
 EAGER, DYNAMIC, STATIC = None, "dynamic", "static"
 PADDED_EAGER_WARMUP_TOKENS = 1024
 
+# Each mode's name, spelled once: the JSON, the markdown and ``--modes`` use these strings, the code the constants.
+STOCK_PADDED_EAGER = "stock_padded_eager"
+STOCK_PADDED_COMPILED = "stock_padded_compiled"
+STOCK_GROUPED_EAGER = "stock_grouped_eager"
+STOCK_GROUPED_COMPILED = "stock_grouped_compiled"
+STOCK_PACKED = "stock_packed"
+PATCHED_PACKED_EAGER = "patched_packed_eager"
+PATCHED_PACKED_COMPILED = "patched_packed_compiled"
+PATCHED_FIXED_COMPILED = "patched_fixed_compiled"
+
 
 class Batch(NamedTuple):
     tensors: dict
@@ -113,13 +123,12 @@ class Mode:
 
         Modes warm up on a full step of their own layout (the warm-up arrival step; the grouped mode: the longest
         step of its length-sorted pool): a compile sees a real shape, and the first timed round does not pay for a
-        first full-size step. With a 1k-token eager warm-up (default run, 2026-12-01 17:44, idle) each eager
-        mode's round 0 took 1.04-1.26x its later rounds (stock grouped, patched eager); compiled modes' did not.
+        first full-size step (after a 1k-token warm-up an eager mode's round 0 takes up to 1.26x its later rounds).
         The exception is stock padded eager, which warms up on the first 1k tokens: its full step is the run's
-        costliest (3-11 s on 2 cores, 82% padding) and, run beside the family's compile, made the hybrids'
-        compiles take 62-79 s instead of 47-48 s. Its round 0 therefore includes that first-step cost: the slowest
-        of its 3 rounds, which the median leaves out; it can only raise a paired ratio against it in round 0, never
-        lower a bar's worst round.
+        costliest (3-11 s on 2 cores, 82% padding), and a full-size warm-up neither made its round 0 cheaper nor
+        the run shorter. Its round 0 therefore includes that first-step cost: the slowest of its 3 rounds, which
+        the median leaves out; it can only raise a paired ratio against it in round 0, never lower a bar's worst
+        round.
         """
         warmup, timed = workload.arrival_steps()
         if self.layout in GROUPED_LAYOUTS:
@@ -134,8 +143,8 @@ class Mode:
     def arrival_repeats(self, workload: Workload) -> int:
         """How many times a round trains on its arrival step: the patched modes as many times as the grouped mode
         has steps in a round, so that the driver interleaves the two step by step and a paired ratio compares
-        steps taken side by side in time (one patched step against three grouped ones spread its ratios by 0.06 on
-        2026-12-02; ``rounds``), or ``workload.patched_repeats`` times when given; the stock padded and packed
+        steps taken side by side in time (one patched step against three grouped ones spreads the ratios about
+        twice as much: ``rounds``), or ``workload.patched_repeats`` times when given; the stock padded and packed
         modes, whose steps cost 3-20x more, once."""
         return workload.patched_steps_per_round if self.patched else 1
 
@@ -181,23 +190,22 @@ _LAYOUT_TEXTS = {
 }
 
 MODES = (
-    Mode("stock_padded_eager", "padded", patched=False, compile=EAGER),
-    Mode("stock_padded_compiled", "padded64", patched=False, compile=DYNAMIC),
-    Mode("stock_grouped_eager", "grouped", patched=False, compile=EAGER),
-    Mode("stock_grouped_compiled", "grouped64", patched=False, compile=DYNAMIC),
-    Mode("stock_packed", "hf_packed", patched=False, compile=EAGER),
-    Mode("patched_packed_eager", "hf_packed", patched=True, compile=EAGER),
-    Mode("patched_packed_compiled", "hf_packed", patched=True, compile=DYNAMIC),
-    Mode("patched_fixed_compiled", "fixed", patched=True, compile=STATIC),
+    Mode(STOCK_PADDED_EAGER, "padded", patched=False, compile=EAGER),
+    Mode(STOCK_PADDED_COMPILED, "padded64", patched=False, compile=DYNAMIC),
+    Mode(STOCK_GROUPED_EAGER, "grouped", patched=False, compile=EAGER),
+    Mode(STOCK_GROUPED_COMPILED, "grouped64", patched=False, compile=DYNAMIC),
+    Mode(STOCK_PACKED, "hf_packed", patched=False, compile=EAGER),
+    Mode(PATCHED_PACKED_EAGER, "hf_packed", patched=True, compile=EAGER),
+    Mode(PATCHED_PACKED_COMPILED, "hf_packed", patched=True, compile=DYNAMIC),
+    Mode(PATCHED_FIXED_COMPILED, "fixed", patched=True, compile=STATIC),
 )
 
 MODE_NAMES = tuple(mode.name for mode in MODES)
-PADDED_MODES = ("stock_padded_eager", "stock_padded_compiled", "stock_grouped_eager", "stock_grouped_compiled")
+PADDED_MODES = (STOCK_PADDED_EAGER, STOCK_PADDED_COMPILED, STOCK_GROUPED_EAGER, STOCK_GROUPED_COMPILED)
 
-# Stock torch.compile(dynamic=True) of these families fails in inductor on the bench models, after 40-85 s of
-# compiling on 2 cores (2026-11-29, torch 2.13.0, transformers 5.24.0, stock_padded_compiled). The default run does
-# not spend that time again on stock_grouped_compiled: the mode reports this error without running; --full and
-# --modes run it.
+# Stock torch.compile(dynamic=True) of these families fails in inductor on the bench models (torch 2.13.0,
+# transformers 5.24.0), after 40-85 s of compiling on 2 cores. The default run does not spend that time on
+# stock_grouped_compiled: the mode reports this error without running; --full and --modes run it.
 STOCK_INDUCTOR_FAILS = {
     "qwen3_next": "InductorError: TypeError: cannot determine truth value of Relational: 256*(((s27 + (Mod(64 - "
                   "(Mod(s27, 64)), 64)))//64))*... < 8",
@@ -205,16 +213,21 @@ STOCK_INDUCTOR_FAILS = {
     "bamba": "InductorError: TypeError: cannot determine truth value of Relational: 1 < s27",
 }
 
-# What the default run leaves out (``--full`` runs every mode), and why: the default is sized for 6 minutes on 2 idle
-# cores with 3 timed rounds per mode (it took 383-426 s on 2026-12-01: docs/benchmarks.md, "What the default costs").
+# What the default run leaves out (``--full`` runs every mode), and why: the default is sized for ~10 minutes on 2
+# idle cores with 3 timed rounds per mode (a progress bar shows where it is). Its five cold compiles and its timed
+# steps alone keep both cores busy for ~7 minutes, so every further compile is a visible share of the budget
+# (docs/benchmarks.md, "What the default costs").
 LEFT_OUT_BY_DEFAULT = {
-    "stock_padded_compiled": "a cold stock compile per family (25 s for Llama; on the hybrids inductor fails after "
-                             "40-85 s with InductorError), so the default has no stock compile time to compare and "
-                             "the 5x bar compares against stock padded eager only",
-    "patched_fixed_compiled": "an extra cold compile per family (16-28 s) for the fixed-shape variant of a mode "
-                              "the default already runs",
+    STOCK_PADDED_COMPILED: "a cold stock compile per family (25 s for Llama; on the hybrids inductor fails after "
+                           "40-85 s with InductorError), so the default has no stock compile time to compare and "
+                           "the 5x bar compares against stock padded eager only",
+    PATCHED_FIXED_COMPILED: "an extra cold compile per family (16-28 s) for the fixed-shape variant of a mode "
+                            "the default already runs",
 }
 DEFAULT_MODES = tuple(name for name in MODE_NAMES if name not in LEFT_OUT_BY_DEFAULT)
+# --widths real: the two modes the grouped bar compares eagerly (a real-width CPU step is dense matmuls, which
+# compiling does not change, and a cold compile at those widths costs minutes)
+REAL_WIDTH_MODES = (STOCK_GROUPED_EAGER, PATCHED_PACKED_EAGER)
 
 
 def mode_named(name: str) -> Mode:

@@ -6,11 +6,13 @@ import json
 import pathlib
 import statistics
 
-from .bars import paired_ratios, tokens_per_s
+from .bars import EVERY_ROUND, paired_ratios, tokens_per_s
 from .markdown import cell, text_cell
 from .modes import MODE_NAMES, PADDED_MODES
 
 RATIO_BASES = PADDED_MODES  # every mode is also shown as a multiple of each stock padded mode
+STATUS_RULE = ("Status: a bar decided in every round is met if every round's ratio reaches the target, missed if "
+               "none does, not decided otherwise; a bar decided on the median is met or missed by the median alone.")
 
 
 def add_ratios(results: list[dict]) -> None:
@@ -95,8 +97,8 @@ def markdown(report: dict) -> str:
     ]
     lines += [_markdown_row(r) for r in report["results"]]
     lines += ["", "## Bars", "",
-              "Status: met if every round's ratio reaches the target, missed if none does, not decided otherwise.",
-              "", "| family | bar | median [min-max] | target | status | detail |", "|---|---|--:|--:|---|---|"]
+              STATUS_RULE, "", "| family | bar | median [min-max] | target | status | decided on | detail |",
+              "|---|---|--:|--:|---|---|---|"]
     lines += [_bar_row(b) for b in report["bars"]]
     lines += utilization_section(report)
     lines += _profile_sections(report["results"])
@@ -162,14 +164,14 @@ def _warmup(settings: dict) -> str:
 
 
 def _float_setting(settings: dict) -> str:
-    """How dynamo traced float attributes (reports before 2026-12-02 used torch's default and say nothing)."""
+    """How dynamo traced float attributes (a report without the setting used torch's default and says nothing)."""
     if settings.get("specialize_float") is None:
         return ""
     return f"; dynamo `specialize_float={settings['specialize_float']}` (stock and patched alike)"
 
 
 def _interleaving(settings: dict) -> str:
-    """How a round's steps were taken (reports before 2026-12-02 ran each mode's round whole and say nothing)."""
+    """How a round's steps were taken (a report without the setting ran each mode's round whole and says nothing)."""
     if settings.get("interleaved") != "step by step":
         return ""
     return (f"; rounds interleaved step by step, the patched modes training on their round's arrival step "
@@ -218,7 +220,7 @@ def _markdown_row(r: dict) -> str:
 def _bar_row(bar: dict) -> str:
     state = "**missed**" if bar["status"] == "missed" else bar["status"]
     return (f"| {bar['family']} | {bar['bar']} | {bar_value_cell(bar)} | {bar['target']} | {state} "
-            f"| {text_cell(bar['detail'], 300)} |")
+            f"| {bar.get('rule', EVERY_ROUND)} | {text_cell(bar['detail'], 300)} |")
 
 
 def _graphs(r: dict) -> str:
@@ -307,14 +309,14 @@ def print_console(report: dict) -> None:
         )
     console = Console(width=max(Console().width, 200))  # a narrow or piped terminal would fold every cell
     console.print(table)
-    console.print("tok/s and ratios: median over the timed rounds [min-max], ratios paired per round; a bar is met "
-                  "if every round's ratio reaches its target, missed if none does, else not decided.",
-                  highlight=False, markup=False)
+    console.print("tok/s and ratios: median over the timed rounds [min-max], ratios paired per round. "
+                  + STATUS_RULE, highlight=False, markup=False)
     for bar in report["bars"]:
         state = {"met": "[green]met[/]", "missed": "[red]missed[/]", "not decided": "[yellow]not decided[/]",
                  "n/a": "[dim]n/a[/]"}[bar["status"]]
         console.print(f"{bar['family']:>11}  {state}  {escape(bar['bar'])}: {bar_value_cell(bar)} "
-                      f"(target {bar['target']}) {escape(bar['detail'])}", highlight=False)
+                      f"(target {bar['target']}, {bar.get('rule', EVERY_ROUND)}) {escape(bar['detail'])}",
+                      highlight=False)
     left_out = report["settings"].get("left_out") or {}
     if left_out:
         console.print(f"Left out of this run (--full runs them): {', '.join(left_out)}", highlight=False)

@@ -18,9 +18,10 @@ the 2-core machine compiles two models at once instead of one family's compile b
 A compiled worker then waits, idle, until its family's turn; a family's eager modes warm up when it comes, and
 the rounds run only once no compile is left anywhere, so nothing competes with a timed step.
 
-Why step by step (2026-12-02, Qwen3.5 bench model, one process, patched compiled / stock grouped eager, 10
-rounds of three steps each): the grouped round's three steps and then three patched steps gave ratios 1.10-1.29
-(standard deviation 0.061); the same steps alternating gave 1.19-1.29 (0.034).
+Why step by step: a whole round of one mode, then a whole round of the next, leaves the machine time to change
+between the two sides of a ratio. On the Qwen3.5 bench model (patched compiled / stock grouped eager, 10 rounds of
+three steps each, one process) three grouped steps then three patched ones gave ratios 1.10-1.29 (standard
+deviation 0.061); the same steps alternating gave 1.19-1.29 (0.034).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import traceback
 import torch
 
 from . import measure, split
-from .modes import DYNAMIC, EAGER, Batch, Workload, mode_named
+from .modes import DYNAMIC, EAGER, STOCK_GROUPED_COMPILED, STOCK_PACKED, Batch, Workload, mode_named
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +153,7 @@ class ModeSession:
         self._check_docs = first.docs[: spec.check_docs]
         self._phase("logits alone")
         self._alone = measure.logits_alone(model, self._check_docs, self._device)
-        if self._mode.name == "stock_packed":
+        if self._mode.name == STOCK_PACKED:
             result["max_logit_diff_position_ids_only"] = _position_ids_only_diff(
                 model, first, self._check_docs, self._alone, self._device)
         if self._mode.patched:
@@ -254,10 +254,10 @@ def _refuse_known_failure(spec: ModeSpec) -> None:
     from .modes import STOCK_INDUCTOR_FAILS
 
     known = STOCK_INDUCTOR_FAILS.get(spec.family)
-    if spec.skip_known_failures and spec.mode == "stock_grouped_compiled" and spec.compile_backend == "inductor" \
+    if spec.skip_known_failures and spec.mode == STOCK_GROUPED_COMPILED and spec.compile_backend == "inductor" \
             and known:
-        raise RuntimeError(f"not run: stock torch.compile fails in inductor for {spec.family} ({known}; measured "
-                           "2026-11-29 on stock_padded_compiled after 40-85 s); --full or --modes runs it")
+        raise RuntimeError(f"not run: stock torch.compile fails in inductor for {spec.family} ({known}; it takes "
+                           "40-85 s of compiling on 2 cores to fail); --full or --modes runs it")
 
 
 def summarize_rounds(timed: list[dict]) -> dict:
@@ -381,8 +381,8 @@ def _compiled(model, mode, backend: str, specialize_float: bool = False):
         # Under torch's default (False) dynamo traces modules' float attributes (an embedding's norm_type, an
         # attention's scaling and dropout) as symbolic floats; once one is specialized the tensorify pass restarts
         # the whole analysis, and the first attempt's work is lost: 11-13 s of a 54-59 s cold compile of the
-        # Llama bench model (2026-12-02, compile_times() "compile_attempt_0"), stock and patched alike. A worker
-        # is one mode's process, so the setting is this process's (--isolation none: the whole run's).
+        # Llama bench model (compile_times() "compile_attempt_0"), stock and patched alike. A worker is one
+        # mode's process, so the setting is this process's (--isolation none: the whole run's).
         torch._dynamo.config.specialize_float = True
     # Patched models promise one graph: fullgraph=True turns any break into an error we record. Stock models
     # are compiled the way users compile them, breaks allowed.

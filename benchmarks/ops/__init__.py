@@ -12,7 +12,8 @@ mask), so its figure is a cost baseline, not a correct alternative. With ``equal
 do (its output, through ``"batched_as_packed"`` where the layouts differ, must equal packed's). Forward and
 forward+backward are timed with the two sides alternating, so load from other processes hits both alike; a figure
 is the median over repeats after warm-up, the ratio the median of per-repeat ratios. Writes
-``ops-<device>-<date>.json`` and ``.md``.
+``ops-<device>-<date>.json`` and ``.md``, appends the run to the history table (the op as the family, ``stock``,
+``packed`` and ``stock_batched`` as the modes) and removes the older op runs from the output folder.
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ import sys
 
 import torch
 
-from ..markdown import cell
+from .. import history
 from ..history import RESULTS
+from ..markdown import cell
 from ._common import alternating_ms
 
 
@@ -47,11 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     (out / f"{stem}.md").write_text(markdown(report))
     print(markdown(report))
     print(f"wrote {out / stem}.json, .md")
+    print(history.record(report, out, stem))  # the op as the family, each implementation as a mode
     return 0
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks ops", description=__doc__.splitlines()[0])
     parser.add_argument("--ops", default="all", help="comma-separated op modules (default: all)")
     parser.add_argument("--T", type=int, default=2048, help="tokens in the packed row (default: 2048)")
     parser.add_argument("--n-docs", type=int, default=16, help="documents in the row (default: 16)")

@@ -7,8 +7,8 @@ projections). ``delta``, ``delta_bias`` and ``A`` are made as the model initiali
 mamba-ssm is absent: one Python step per token) runs on the packed row without boundaries (wrong, but the cost
 baseline). Its backward is slow: each token's ``discrete_A[:, :, t]`` / ``deltaB_u[:, :, t]`` read puts a
 full-size zero-filled gradient buffer into autograd, so one stock forward+backward at T=2048 takes 1.5-3.5
-minutes on 2 CPU cores (measured); time this op with few repeats (``bench_ops.py --ops selective_scan
---repeats 3 --warmup 1``, or ``python benchmarks/ops/selective_scan.py 3 fwd+bwd``).
+minutes on 2 CPU cores (measured); time this op with few repeats (``python -m benchmarks ops --ops
+selective_scan --repeats 3 --warmup 1``, or ``python -m benchmarks.ops.selective_scan 3 fwd+bwd``).
 """
 
 from __future__ import annotations

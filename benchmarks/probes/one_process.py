@@ -12,7 +12,7 @@ Run (about 2 minutes on 2 cores for Llama; the compiles take most of it)::
     python -m benchmarks.probes.one_process --model llama \
         --modes stock_grouped_eager,patched_packed_compiled,patched_packed_eager --profile
 
-The 2026-12-01 figures are in benchmarks/results/notes-2026-12-01.md ("Late evening").
+Its figures so far are in benchmarks/notes/notes-2026-12-01.md ("Late evening") and notes-2026-12-02.md.
 """
 
 from __future__ import annotations
