@@ -80,7 +80,11 @@ CU_DEVICE = Rule(
 STARTS_AT_ZERO = Rule(CU_SEQLENS_Q, "0 as the first entry", "start the cumulative sum at 0; tokens before it would be dropped")
 ENDS_AT_TOKENS = Rule(
     CU_SEQLENS_Q, "the batch's token count (rows x row length) as the last entry",
-    "these boundaries belong to another batch, or were cut: build them from this batch's documents",
+    "these boundaries belong to another batch, or were cut: build them from this batch's documents. If the tokens "
+    "were sliced across ranks (accelerate's or transformers' cp_size / sp_size slice the tokens, not the "
+    "boundaries), use compilepack's context parallelism instead: compilepack.integrations.context_parallel, or "
+    "compilepack.patch(model, context_parallel=group) with compilepack.distributed.shard_batch "
+    "(docs/context-parallel.md)",
 )
 NON_DECREASING = Rule(CU_SEQLENS_Q, "non-decreasing entries", "build it as a cumulative sum of document lengths")
 ROW_EDGES = Rule(

@@ -2,5 +2,14 @@
 a batch while its boundaries stay on the host), TRL and HF Trainer (``trl``, ``trainer``)."""
 
 from .collators import add_boundaries, to_device, with_boundaries
+from .trainer import Balance, ContextParallelTrainerMixin, attention_length_of, context_parallel
 
-__all__ = ["add_boundaries", "to_device", "with_boundaries"]
+__all__ = [
+    "Balance",
+    "ContextParallelTrainerMixin",
+    "add_boundaries",
+    "attention_length_of",
+    "context_parallel",
+    "to_device",
+    "with_boundaries",
+]

@@ -1,0 +1,302 @@
+"""Context parallelism from HF ``Trainer`` and TRL's ``SFTTrainer``: packing and long rows split across ranks.
+
+TRL refuses packing with accelerate's context parallelism (``cp_size > 1``: it would attend across documents), and
+accelerate's own context parallelism is SDPA ring attention, which the linear-attention, Mamba and conv layers do not
+have. compilepack's context parallelism runs every mixer of a patched model on a rank's slice of each packed row
+(``compilepack.patch(model, context_parallel=...)``); :func:`context_parallel` turns it on in a trainer class::
+
+    from trl import SFTConfig, SFTTrainer
+    from compilepack.integrations import context_parallel
+
+    Trainer = context_parallel(SFTTrainer, size=2)           # or HF Trainer; once, at module level
+    trainer = Trainer(model=model, args=SFTConfig(..., padding_free=True), train_dataset=dataset, ...)
+    trainer.train()                                           # torchrun --nproc_per_node 4 train.py
+
+Launched on ``W`` processes (``torchrun`` or ``accelerate launch``), the ranks form a ``dp x cp`` mesh (``cp =
+size``, ``dp = W / size``, ``mesh_dim_names=("dp", "cp")``). What the subclass changes, and why:
+
+- the model is patched with ``context_parallel=mesh["cp"]`` (before the trainer compiles or wraps it);
+- the data loader is sharded over the ``dp`` ranks only: the ranks of a context-parallel group draw the same global
+  batch (and, with ``balance=``, a :class:`~compilepack.distributed.BalancedBatchSampler` deals documents to the
+  ``dp`` ranks by cost);
+- every batch is cut into this rank's slice with :func:`~compilepack.distributed.shard_batch` (global boundaries,
+  ``shift_labels`` shifted before slicing, which TRL's fused LM head and the HF loss read), in the trainer's own hook
+  for context parallelism (``_prepare_context_parallel_inputs``), after it counted the global batch's targets;
+- ``num_items_in_batch`` counts the global batches' targets once per data-parallel replica (summed over the ``dp``
+  ranks only), and the trainer scales each rank's loss by the process count: with DDP or FSDP2 over all ``W``
+  ranks averaging gradients, the update, the logged loss and the evaluation loss are one process's
+  (``get_cp_size()`` returns ``size`` for the trainer's other bookkeeping; ``compute_metrics`` gets each rank's
+  shard: logits and labels of its tokens, the labels already shifted);
+- ``torch_compile=True`` compiles the patched model as the compile recipe says (``fullgraph=True, dynamic=True``),
+  inside DDP / FSDP, one graph per rank.
+
+accelerate's and transformers' own ``cp_size`` / ``sp_size`` (``ParallelismConfig``, DeepSpeed Ulysses) are refused:
+they would split the tokens but not the boundaries, or run a second context parallelism beside this one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+
+import torch
+import torch.distributed as dist
+
+from ..boundaries import HOST_BOUNDARY_KEYS, INPUT_IDS, LABELS, NUM_ITEMS_IN_BATCH, SHIFT_LABELS
+from ..distributed import BalancedBatchSampler, shard_batch
+from ..errors import ContextParallelError
+from ..patching import ATTENTION, family_of, patch
+from ..validation import IGNORE_INDEX
+
+__all__ = ["Balance", "ContextParallelTrainerMixin", "attention_length_of", "context_parallel"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Balance:
+    """Documents dealt to the data-parallel ranks by cost (:class:`~compilepack.distributed.BalancedBatchSampler`):
+    ``tokens_per_rank`` per step and rank; ``attention_length`` None derives it from the model (``12 x hidden /``
+    the fraction of layers that attend)."""
+
+    tokens_per_rank: int
+    attention_length: float | None = None
+
+
+def context_parallel(trainer_class: type, size: int, *, balance: int | Balance | None = None) -> type:
+    """``trainer_class`` (HF ``Trainer``, TRL ``SFTTrainer`` or a subclass) running compilepack's context
+    parallelism over groups of ``size`` ranks; ``balance``: a token budget per rank and step (or a :class:`Balance`)
+    to deal documents across the data-parallel ranks by cost. See the module docstring."""
+    if not isinstance(size, int) or size < 1:
+        raise ContextParallelError(f"context_parallel(size={size!r}): the size must be an int >= 1.")
+    balance = Balance(balance) if isinstance(balance, int) else balance
+    name = f"ContextParallel{trainer_class.__name__}"
+    return type(name, (ContextParallelTrainerMixin, trainer_class),
+                {"context_parallel_size": size, "context_parallel_balance": balance,
+                 "__module__": trainer_class.__module__, "__doc__": f"{trainer_class.__name__} with compilepack's "
+                 f"context parallelism over groups of {size} ranks (compilepack.integrations.context_parallel)."})
+
+
+class ContextParallelTrainerMixin:
+    """The methods :func:`context_parallel` puts in front of a trainer class (``class MyTrainer(
+    ContextParallelTrainerMixin, SFTTrainer): context_parallel_size = 2`` does the same)."""
+
+    context_parallel_size: int = 1
+    context_parallel_balance: Balance | None = None
+
+    def __init__(self, *args, **kwargs):
+        _refuse_other_sequence_parallelism(kwargs.get("args"), "the training arguments' parallelism_config")
+        super().__init__(*args, **kwargs)
+        _refuse_other_sequence_parallelism(self.accelerator, "accelerate's configuration")
+        self.context_parallel_mesh = _mesh(self.context_parallel_size, self.args.device)
+        patch(self.model, context_parallel=self.context_parallel_mesh["cp"])
+        if self.args.torch_compile:
+            self._compile_the_patched_model()
+
+    def _compile_the_patched_model(self) -> None:
+        """``torch_compile=True``: the patched model is compiled as the docs' recipe says (``fullgraph=True,
+        dynamic=True``: the shards' lengths and document counts change every batch), with the arguments' backend
+        and mode, before DDP / FSDP wrap it. accelerate would compile the wrapper instead, whose DDP forward breaks
+        the graph (``_inside_ddp_forward`` is not traced)."""
+        from accelerate.utils import DynamoBackend
+
+        options = {"backend": self.args.torch_compile_backend or "inductor"}
+        if self.args.torch_compile_mode is not None:
+            options["mode"] = self.args.torch_compile_mode
+        self.model = self.model_wrapped = torch.compile(self.model, fullgraph=True, dynamic=True, **options)
+        self.accelerator.state.dynamo_plugin.backend = DynamoBackend.NO
+
+    # ------------------------------------------------------------------------------------------ sizes
+
+    def get_cp_size(self) -> int:
+        return self.context_parallel_size
+
+    def _get_num_items_in_batch(self, batch_samples: list, device: torch.device):
+        """The targets of the step's global batches (``num_items_in_batch``), counted once per data-parallel
+        replica: the ranks of a group hold the same batches, so the count is summed over the ``dp`` ranks only
+        (with ``average_tokens_across_devices``), whatever the installed trainer's own count divides by."""
+        counted = batch_samples and LABELS in batch_samples[0] and (
+            self.model_accepts_loss_kwargs or self.compute_loss_func is not None)
+        if not counted:
+            return None
+        count = sum((batch[SHIFT_LABELS] if SHIFT_LABELS in batch else batch[LABELS][..., 1:]).ne(IGNORE_INDEX).sum()
+                    for batch in batch_samples).to(device)
+        if self.args.average_tokens_across_devices:
+            dist.all_reduce(count, group=self.context_parallel_mesh["dp"].get_group())
+        return count
+
+    @property
+    def _dp(self) -> tuple[int, int]:
+        """(data-parallel size, this rank's data-parallel index)."""
+        mesh = self.context_parallel_mesh
+        return mesh["dp"].size(), mesh["dp"].get_local_rank()
+
+    # ------------------------------------------------------------------------------------------ data
+
+    def _balanced_sampler(self) -> BalancedBatchSampler:
+        strategy = getattr(self.args, "train_sampling_strategy", "random")
+        if strategy not in ("random", "sequential"):
+            raise ContextParallelError(
+                f"context_parallel(..., balance=...) deals documents by cost and replaces the trainer's sampler: "
+                f"train_sampling_strategy={strategy!r} would be ignored; leave it 'random' (or leave balance out).")
+        dataset = self.train_dataset
+        dp_size, dp_rank = self._dp
+        balance = self.context_parallel_balance
+        attention_length = balance.attention_length or attention_length_of(self.accelerator.unwrap_model(self.model))
+        return BalancedBatchSampler(
+            _lengths(dataset), num_replicas=dp_size, rank=dp_rank, tokens_per_rank=balance.tokens_per_rank,
+            seed=self.args.data_seed if self.args.data_seed is not None else self.args.seed,
+            attention_length=attention_length, drop_last=self.args.dataloader_drop_last,
+        )
+
+    def get_train_dataloader(self):
+        if self.context_parallel_balance is None:
+            return _shard_over_data_parallel_ranks(super().get_train_dataloader(), *self._dp)
+        return _balanced_loader(self, self._balanced_sampler())
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        return _shard_over_data_parallel_ranks(super().get_eval_dataloader(eval_dataset), *self._dp)
+
+    # ------------------------------------------------------------------------------------------ steps
+
+    def _prepare_context_parallel_inputs(self, model, inputs):
+        """The trainer's own hook for context parallelism, called on a global batch after it counted the batch's
+        targets (``num_items_in_batch``) and before the forward, in training and evaluation alike: here it cuts
+        this rank's slice (moved to the host first: the boundaries are host data; the forward moves what it needs)."""
+        host = {key: value.cpu() if isinstance(value, torch.Tensor) else value for key, value in inputs.items()}
+        shard = shard_batch(host, self.context_parallel_mesh["cp"], pad_token_id=_pad_token_id(self))
+        shard.pop(NUM_ITEMS_IN_BATCH, None)  # the trainer passes its own count, over every rank's batch
+        if not self.model.training:  # evaluation: prediction_step moved the batch before this hook, not after
+            shard = {key: value.to(self.args.device) if isinstance(value, torch.Tensor) and key not in
+                     HOST_BOUNDARY_KEYS else value for key, value in shard.items()}
+        return contextlib.nullcontext, shard
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """HF Trainer's evaluation step for every trainer class (TRL's own skips the context-parallel hook): the
+        global batch's targets counted over every rank, this rank's slice, the loss with that count (as in
+        training, so the evaluation loop's mean over the ranks is one process's loss)."""
+        inputs = self._prepare_inputs(inputs)
+        if inputs.get(LABELS) is None:
+            raise ContextParallelError(
+                "evaluation under compilepack's context parallelism computes the loss: the evaluation batches need "
+                "'labels'.")
+        num_items_in_batch = self._get_num_items_in_batch([inputs], self.args.device)
+        _, shard = self._prepare_context_parallel_inputs(model, inputs)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            if prediction_loss_only:
+                loss = self.compute_loss(model, shard, num_items_in_batch=num_items_in_batch)
+                return loss.detach().mean(), None, None
+            loss, outputs = self.compute_loss(model, shard, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[1]
+        return loss.detach().mean(), logits.detach(), shard[LABELS]
+
+
+def _mesh(size: int, device: torch.device):
+    """The ``(dp, cp)`` device mesh of all ranks (rank = dp index x cp + cp index, as accelerate lays out its own)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if not dist.is_initialized() or world % size:
+        raise ContextParallelError(
+            f"context parallelism over groups of {size} ranks needs a distributed launch whose world size divides "
+            f"by {size} (got {world if dist.is_initialized() else 'no process group'}): launch with torchrun "
+            f"--nproc_per_node {size} (or a multiple) or accelerate launch --num_processes {size}.")
+    return init_device_mesh(device.type, (world // size, size), mesh_dim_names=("dp", "cp"))
+
+
+def _refuse_other_sequence_parallelism(holder, where: str) -> None:
+    """accelerate's / transformers' ``ParallelismConfig`` with ``cp_size`` or ``sp_size`` above 1: refused, never
+    run beside compilepack's (they split tokens, not boundaries, and only know attention)."""
+    config = getattr(holder, "parallelism_config", None)
+    if config is None:
+        return
+    for name in ("cp_size", "sp_size"):
+        value = getattr(config, name, None) or 1
+        if value > 1:
+            raise ContextParallelError(
+                f"{where} sets {name}={value}: accelerate's {'ring attention' if name == 'cp_size' else 'DeepSpeed Ulysses'} "
+                "splits the tokens of every row but not the packed documents' boundaries, and runs on attention only "
+                "(linear-attention, Mamba and conv layers would see each shard as whole rows). compilepack's context "
+                "parallelism replaces it: remove the parallelism_config's cp_size / sp_size and use "
+                "compilepack.integrations.context_parallel(TrainerClass, size=...) (docs/context-parallel.md)."
+            )
+
+
+def _shard_over_data_parallel_ranks(loader, dp_size: int, dp_rank: int):
+    """accelerate shards a loader's batches over all processes; under context parallelism the ranks of a group must
+    draw the same batches, so the sharding is over the data-parallel ranks only."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    if hasattr(batch_sampler, "process_index"):  # accelerate's BatchSamplerShard
+        batch_sampler.num_processes, batch_sampler.process_index = dp_size, dp_rank
+        return loader
+    if isinstance(loader.dataset, torch.utils.data.IterableDataset):
+        raise ContextParallelError(
+            "compilepack's context parallelism needs a map-style dataset (accelerate shards an iterable dataset by "
+            "dispatching batches, which cannot give the ranks of a group the same batch); convert it with "
+            "datasets' Dataset.from_generator or pass a list.")
+    return loader  # one process: nothing was sharded
+
+
+def _balanced_loader(trainer, sampler: BalancedBatchSampler):
+    """The trainer's own loader around a BalancedBatchSampler, which is already per data-parallel rank: accelerate's
+    re-sharding neutralised (as transformers does for its BatchRebalanceSampler) and its epoch set with the
+    loader's."""
+    from torch.utils.data import DataLoader
+
+    args = trainer.args
+    collate = trainer._get_collator_with_removed_columns(trainer.data_collator, description="Training")
+    dataset = trainer.train_dataset
+    try:
+        import datasets
+
+        if isinstance(dataset, datasets.Dataset):
+            dataset, collate = trainer._remove_unused_columns(dataset, description="Training"), trainer.data_collator
+    except ImportError:
+        pass
+    loader = trainer.accelerator.prepare(DataLoader(
+        dataset, batch_sampler=sampler, collate_fn=collate, num_workers=args.dataloader_num_workers,
+        pin_memory=args.dataloader_pin_memory, persistent_workers=args.dataloader_persistent_workers,
+        prefetch_factor=args.dataloader_prefetch_factor,
+    ))
+    _shard_over_data_parallel_ranks(loader, 1, 0)
+    set_epoch = loader.set_epoch
+
+    @functools.wraps(set_epoch)
+    def set_both(epoch: int) -> None:
+        set_epoch(epoch)
+        sampler.set_epoch(epoch)
+
+    loader.set_epoch = set_both
+    return loader
+
+
+def _lengths(dataset) -> list[int]:
+    """Token count of every item (its ``input_ids``)."""
+    try:
+        import datasets
+
+        if isinstance(dataset, datasets.Dataset):
+            return [len(ids) for ids in dataset[INPUT_IDS]]
+    except ImportError:
+        pass
+    return [len(item[INPUT_IDS]) for item in dataset]
+
+
+def _pad_token_id(trainer) -> int:
+    """The token of the padding document shard_batch appends when a row does not divide by the group size."""
+    for holder in (getattr(trainer, "processing_class", None), getattr(trainer.model, "config", None)):
+        token = getattr(holder, "pad_token_id", None)
+        if isinstance(token, int):
+            return token
+    return 0
+
+
+def attention_length_of(model: torch.nn.Module) -> float:
+    """:func:`~compilepack.distributed.document_cost`'s ``attention_length`` for a model: ``12 x hidden_size``
+    (attention's quadratic term equals the linear layers' per-token cost there when every layer attends), divided
+    by the fraction of its decoder layers that attend (a hybrid's linear-attention, Mamba and conv layers cost per
+    token alone). The attending layers are the family's attention layers (``patches/<family>.py``), counted."""
+    config = model.config.get_text_config()
+    attending = {name for name, needed in family_of(model).layers.items() if ATTENTION in needed}
+    count = sum(1 for module in model.modules() if type(module).__name__ in attending)
+    fraction = min(1.0, count / config.num_hidden_layers) if count else 1.0
+    return 12 * config.hidden_size / fraction
