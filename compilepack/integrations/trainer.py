@@ -43,11 +43,12 @@ import functools
 import torch
 import torch.distributed as dist
 
-from ..boundaries import HOST_BOUNDARY_KEYS, INPUT_IDS, LABELS, NUM_ITEMS_IN_BATCH, SHIFT_LABELS
+from ..boundaries import INPUT_IDS, LABELS, NUM_ITEMS_IN_BATCH, SHIFT_LABELS
 from ..distributed import BalancedBatchSampler, shard_batch
 from ..errors import ContextParallelError
 from ..patching import ATTENTION, family_of, patch
 from ..validation import IGNORE_INDEX
+from .collators import to_device
 
 __all__ = ["Balance", "ContextParallelTrainerMixin", "attention_length_of", "context_parallel"]
 
@@ -161,14 +162,12 @@ class ContextParallelTrainerMixin:
     def _prepare_context_parallel_inputs(self, model, inputs):
         """The trainer's own hook for context parallelism, called on a global batch after it counted the batch's
         targets (``num_items_in_batch``) and before the forward, in training and evaluation alike: here it cuts
-        this rank's slice (moved to the host first: the boundaries are host data; the forward moves what it needs)."""
+        this rank's slice, on the host (the boundaries are host data), and moves the slice's tokens to the device,
+        the boundaries staying on the host."""
         host = {key: value.cpu() if isinstance(value, torch.Tensor) else value for key, value in inputs.items()}
         shard = shard_batch(host, self.context_parallel_mesh["cp"], pad_token_id=_pad_token_id(self))
         shard.pop(NUM_ITEMS_IN_BATCH, None)  # the trainer passes its own count, over every rank's batch
-        if not self.model.training:  # evaluation: prediction_step moved the batch before this hook, not after
-            shard = {key: value.to(self.args.device) if isinstance(value, torch.Tensor) and key not in
-                     HOST_BOUNDARY_KEYS else value for key, value in shard.items()}
-        return contextlib.nullcontext, shard
+        return contextlib.nullcontext, to_device(shard, self.args.device)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """HF Trainer's evaluation step for every trainer class (TRL's own skips the context-parallel hook): the
