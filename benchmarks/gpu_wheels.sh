@@ -7,11 +7,18 @@
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
 #     && PYTHONPATH=/tmp/site:$PWD python3 benchmarks/gpu_check.py --out $OUT/gpu_check.json
 #
-# Not carried: flash-attn and causal-conv1d publish no prebuilt wheels on PyPI (sdists that compile CUDA code for
-# tens of minutes), so on the device attention uses torch's varlen_attn and the conv op its pure-torch reference.
-# fla is pure Python + Triton and is carried; mamba-ssm is built here without its CUDA extensions (a pure-Python
-# wheel): its Triton SSD kernels are what the Mamba2 op uses, reached past its package __init__
-# (compilepack.backends.load), so the Mamba2 scan runs mamba-ssm's kernels on the device.
+# Not carried by default: flash-attn and causal-conv1d publish no prebuilt wheels on PyPI (sdists that compile CUDA
+# code), so on the device attention uses torch's varlen_attn (flash-attn 2's kernels inside torch: the CUDA C++ path
+# gpu_check.py covers then) and the conv op its pure-torch reference; their checks record "not installed".
+# WITH_SDISTS=1 also fetches causal-conv1d 1.6.2.post1's sdist (the last release with the seq_idx tail read,
+# causal-conv1d #117, that gpu_check.py's probes show on the library alone); on a device with nvcc it builds for the
+# H200 alone in a few minutes of device time, before the check:
+#   CAUSAL_CONV1D_FORCE_BUILD=TRUE TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 python3 -m pip install -q --no-index \
+#     --no-deps --no-build-isolation --target /tmp/site .whl/causal_conv1d-1.6.2.post1.tar.gz
+# fla is pure Python + Triton and is carried (0.6.0, compilepack's floor); mamba-ssm is built here without its CUDA
+# extensions (a pure-Python wheel): its Triton SSD kernels are what the Mamba2 op uses, reached past its package
+# __init__ (compilepack.backends.load), so the Mamba2 scan runs mamba-ssm's kernels on the device. The versions are
+# read from these packages' metadata (compilepack.backends.FLOORS): --target keeps it beside them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl
@@ -24,4 +31,9 @@ python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --im
   "flash-linear-attention==0.6.0" "fla-core==0.6.0" "einops" "typer" "shellingham" "rich" "markdown-it-py" "mdurl"
 MAMBA_FORCE_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE \
   python3 -m pip wheel --quiet --no-deps --no-build-isolation "mamba-ssm==2.3.2.post1" -w .whl
+if [ "${WITH_SDISTS:-0}" = 1 ]; then
+  # the sdist only (its metadata step needs no CUDA with these two set)
+  CAUSAL_CONV1D_FORCE_BUILD=TRUE CAUSAL_CONV1D_SKIP_CUDA_BUILD=TRUE python3 -m pip download --quiet --no-deps \
+    --no-build-isolation --no-binary :all: "causal-conv1d==1.6.2.post1" -d .whl
+fi
 ls -la .whl

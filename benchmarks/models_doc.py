@@ -8,13 +8,19 @@ and each is compared with every document run alone (max |logit difference|), or 
 
     python -m benchmarks models-doc            # print the table
     python -m benchmarks models-doc --write    # regenerate docs/models.md
+    python -m benchmarks models-doc --wiring   # JSON: what stock hands each kernel function (this transformers)
+
+``--wiring`` is how ``STOCK_WIRING`` below was measured on every admitted transformers release (each release's
+wheel unpacked on ``PYTHONPATH`` in front of the checkout's environment).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import random
+import sys
 from pathlib import Path
 
 import torch
@@ -71,6 +77,89 @@ def _error(model, batch, alone) -> str:
     for piece in alone:
         cu.append(cu[-1] + piece.shape[0])
     return f"{max((logits[s:e] - a).abs().max().item() for s, e, a in zip(cu[:-1], cu[1:], alone)):.1e}"
+
+
+BOUNDARY_KWARGS = ("seq_idx", "cu_seqlens")
+# kernel function (transformers' name for it in use_kernel_func_from_hub_with_fallback) -> the boundary argument its
+# package's function takes (read in causal-conv1d 1.7.0, mamba-ssm 2.3.2.post1, fla-core 0.6.0), None if none:
+# transformers hands the package only the kwargs its signature names
+KERNEL_BOUNDARY = {
+    "causal_conv1d_fn": "seq_idx", "mamba_chunk_scan_combined": "seq_idx",
+    "mamba_split_conv1d_scan_combined": "seq_idx", "chunk_gated_delta_rule": "cu_seqlens", "chunk_kda": "cu_seqlens",
+    "selective_scan_fn": None, "mamba_inner_fn": None,
+}
+
+
+def stock_kernel_wiring(family) -> dict[str, str]:
+    """What stock hands each kernel-backed function of the family's modeling module for a training step on the HF
+    collator's packed batch (``use_cache=False``), and whether that keeps the documents apart in the kernel package:
+    ``{"causal_conv1d_fn -> causal_conv1d.causal_conv1d_fn": "apart (seq_idx)", ...}`` or ``"mixed (...)"``.
+
+    Those functions (``use_kernel_func_from_hub_with_fallback``) call the package's function when it is installed,
+    with the kwargs its signature names, else their torch fallback. Each is replaced by a recorder that calls the
+    torch fallback without the boundaries, so one CPU run shows what the kernels would receive on CUDA."""
+    torch.manual_seed(0)
+    model = build_bench_model(family.name).train()  # training asks the fused mixer kernels first
+    module = sys.modules[type(model).__module__]
+    received: dict[str, set] = {}
+    stock, kernels = {}, {}
+    for name, function in list(vars(module).items()):
+        cells = _closure(function)
+        if "is_new_implementation" in cells:
+            stock[name], kernels[name] = function, (cells["package"], cells["func_name"])
+            setattr(module, name, _recorder(name, cells["torch_function"], received))
+    try:
+        vocab = model.config.get_text_config().vocab_size
+        rng = random.Random(0)
+        docs = [[rng.randrange(1, vocab) for _ in range(n)] for n in LENGTHS]
+        batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)(
+            [{"input_ids": d} for d in docs])
+        with torch.no_grad():
+            model(**batch, use_cache=False)
+    finally:
+        for name, function in stock.items():
+            setattr(module, name, function)
+    return {f"{name} -> {kernels[name][0]}.{kernels[name][1]}": _verdict(kernels[name][1], kwargs)
+            for name, kwargs in sorted(received.items())}
+
+
+def _verdict(kernel: str, received: set) -> str:
+    needed = KERNEL_BOUNDARY.get(kernel, "unknown")
+    got = ", ".join(sorted(received)) or "no boundary"
+    if needed is None:
+        return f"mixed (the kernel takes no boundary; stock passes {got})"
+    if needed in received:
+        return f"apart ({needed})"
+    return f"mixed (the kernel takes {needed}; stock passes {got})"
+
+
+def _recorder(name, torch_function, received):
+    def record(*args, **kwargs):
+        received.setdefault(name, set()).update(k for k in BOUNDARY_KWARGS if kwargs.get(k) is not None)
+        return torch_function(*args, **{k: v for k, v in kwargs.items() if k not in BOUNDARY_KWARGS})
+
+    return record
+
+
+def _closure(function) -> dict:
+    code = getattr(function, "__code__", None)
+    if code is None or not function.__closure__:
+        return {}
+    return {name: cell.cell_contents for name, cell in zip(code.co_freevars, function.__closure__)}
+
+
+def wiring() -> dict:
+    """``stock_kernel_wiring`` of every available family that has kernel-backed functions, for this transformers."""
+    result = {}
+    for family in compilepack.families():
+        if family.available:
+            try:
+                found = stock_kernel_wiring(family)
+            except Exception as error:  # a family stock cannot run is a finding
+                found = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"}
+            if found:
+                result[family.name] = found
+    return {"transformers": transformers.__version__, "families": result}
 
 
 def table() -> str:
@@ -162,17 +251,101 @@ boundary kwargs never take this path.
 """
 
 
+# The stock paths, per release. STOCK_WIRING_RELEASES: `--wiring` run on each admitted release (2026-12-03, every
+# release's wheel on PYTHONPATH): identical output on 5.18.0, 5.19.0, 5.20.2, 5.21.1, 5.22.2, 5.23.0 and 5.24.0 for
+# every family but LFM3 (below). The "stock, boundary kwargs" column measured on 5.19.0 showed every family mixing
+# (logit errors 1.1-8.3), on 5.24.0 the ValueError of the table above.
+STOCK_WIRING_RELEASES = "5.18.0 to 5.24.0"
+# family -> what changed it, or what else matters on that path (PRs as read in the trackers)
+STOCK_NOTES = {
+    "bamba": "training takes the fused `mamba_split_conv1d_scan_combined`, which gets `seq_idx` too; mamba-ssm "
+             "2.2.5-2.2.6.post3 fail there with `seq_idx is only supported for channel last layout` when the input "
+             "projection's width is not a multiple of 8 (mamba #834, fixed in 2.3.0)",
+    "falcon_h1": "kwargs threaded to the mixers by transformers #48490 (merged 2026-09-04, before 5.18); the fused "
+                 "training kernel as for Bamba",
+    "granitemoehybrid": "the fused training kernel as for Bamba",
+    "nemotron_h": "kwargs threaded to the mixers by transformers #48490 (merged 2026-09-04, before 5.18); the fused "
+                  "training kernel as for Bamba",
+    "zamba2": "the fused training kernel as for Bamba",
+    "mamba2": "#48490 threads the kwargs from `Mamba2Model` to its mixers, but `Mamba2ForCausalLM` still calls its "
+              "backbone without them",
+    "kimi_linear": "the KDA call forwards `**kwargs` (`cu_seq_lens_q`, `seq_idx`) but fla's `chunk_kda` takes "
+                   "`cu_seqlens`: transformers drops both before the call",
+    "lfm2": "`seq_idx` threaded to the short conv by transformers #46588 (merged 2026-06-12, before 5.18)",
+    "lfm2_moe": "as LFM2",
+    "lfm3": "5.23: the short conv is torch-only on every device (its width 7 is past the kernels' 2-4) and ignores "
+            "`seq_idx`; 5.24: the package is called, and causal-conv1d refuses width 7 (`csrc/causal_conv1d.cpp`)",
+    "qwen3_5": "reported as reading `cu_seq_lens_q` / `seq_idx` since 5.9.0 (transformers #45034; 5.18 is the oldest "
+               "release read here); fla gets no host copy of `cu_seqlens`: it reads them back to the host in every "
+               "layer (a sync)",
+    "qwen3_5_moe": "as Qwen3.5",
+    "qwen3_next": "as Qwen3.5",
+    "olmo_hybrid": "as Qwen3.5",
+    "jamba": "the model drops the boundary kwargs before its mixers",
+    "mamba": "the model drops the boundary kwargs before its mixers; mamba-ssm's selective scan has no boundary "
+             "argument",
+    "falcon_mamba": "as Mamba",
+}
+
+STOCK_PATHS = """## Stock transformers per path
+
+What stock transformers does with the collator's packed batch depends on the path its mixers take, and so on the
+machine: the mixers call module-level functions (`use_kernel_func_from_hub_with_fallback`) that run the kernel
+package when it is installed, handing it the keyword arguments its signature names, and a pure-torch fallback
+otherwise.
+
+- **CPU, or CUDA without the package**: the torch fallbacks take no boundaries. From transformers 5.20 a `seq_idx`
+  or `cu_seqlens` reaching one raises `ValueError: ... can't keep packed sequences apart`
+  (`integrations/hub_kernels.py`; the PR that added it was not identified); 5.18 and 5.19 drop it silently, and the
+  documents mix (measured on 5.19.0: every family's "stock, boundary kwargs" error 1.1-8.3). Families whose model
+  drops the kwargs before the mixers mix silently on every release. This is the "stock, boundary kwargs" column above.
+- **CUDA with the packages** (causal-conv1d, mamba-ssm, fla): below, what each kernel receives for a training step
+  on the collator's batch, measured with `python -m benchmarks models-doc --wiring` (each function replaced by a
+  recorder, on CPU, transformers {tf}; the same on every release from {releases} except where noted). "apart" means
+  the kernel gets the boundary it takes, so the documents stay apart there; "mixed" that it does not. Attention is
+  apart with `flash_attention_2` (the collator's `cu_seq_lens`), and with `sdpa` only through the dense mask built
+  from `position_ids` when no cache is built.
+
+| family | CPU, or CUDA without the package | CUDA, kernels installed: what each kernel gets | notes |
+| --- | --- | --- | --- |
+{rows}
+
+compilepack runs the same kernels with the boundaries on every path, or its references: docs/kernels.md has the
+kernels' reported varlen bugs and what compilepack does about each.
+"""
+
+
+def _stock_paths() -> str:
+    rows = []
+    for name, found in wiring()["families"].items():
+        cells = "; ".join(f"`{kernel.split(' -> ')[1]}`: {verdict}" for kernel, verdict in found.items())
+        rows.append(f"| `{name}` | {_fallback(name, found)} | {cells} | {STOCK_NOTES.get(name, '')} |")
+    return STOCK_PATHS.format(tf=transformers.__version__, releases=STOCK_WIRING_RELEASES, rows="\n".join(rows))
+
+
+def _fallback(name: str, found: dict) -> str:
+    """The torch fallback per release: refused from 5.20 where a boundary reaches a kernel function, else mixed."""
+    if all(verdict.endswith("stock passes no boundary)") for verdict in found.values()):
+        return "mixed, silently (every release)"
+    if name == "lfm3":  # in 5.23 its conv is torch-only, outside the kernel functions
+        return "5.23: mixed, silently; 5.24: ValueError"
+    return "5.18-5.19: mixed, silently; 5.20-5.24: ValueError"
+
+
 # How each CUDA kernel path is verified (docs/benchmarks.md says how to run each).
 KERNEL_VERIFICATION = """## How the kernel paths are verified
 
+Each path's reported varlen bugs, with a verdict for the releases compilepack admits, the guards and the version
+floors: [kernels.md](kernels.md).
+
 | path | recording fake (CPU, every CI run) | real kernels on CPU (CI's kernel stage, Triton interpreter) | GPU (`benchmarks/gpu_check.py`) |
 | --- | --- | --- | --- |
-| attention: flash-attn varlen | argument contract, results through the reference | - (CUDA C++) | not yet run (no GPU lent) |
-| attention: torch `varlen_attn` | argument contract | - (CUDA only) | not yet run |
-| causal conv1d: causal-conv1d | argument contract, channel-last layouts | - (CUDA C++) | not yet run |
-| gated delta rule: fla 0.6 `chunk_gated_delta_rule_fwd/bwd` | argument contract, host copy of the boundaries | forward and every gradient == the reference; saved tensors == the fake | not yet run |
-| Kimi delta attention: fla 0.6 `chunk_kda_fwd/bwd` | argument contract | one case, forward and every gradient; saved tensors == the fake | not yet run |
-| Mamba2 scan: mamba-ssm 2.3.2 `mamba_chunk_scan_combined` | argument contract | forward and every gradient == the reference; output == the fake | not yet run |
+| attention: flash-attn varlen | argument contract, results through the reference; the max_seqlen-1 shortcut (flash-attn #1537) and its guard | - (CUDA C++) | not yet run (no GPU lent): ops, bug layouts, #1537, rows past 2**31 elements |
+| attention: torch `varlen_attn` | argument contract; the same shortcut and guard | - (CUDA only) | not yet run: as flash-attn |
+| causal conv1d: causal-conv1d | argument contract, channel-last layouts; the seq_idx tail read (#117) and uint32 offsets (#114), and their guards | - (CUDA C++) | not yet run: ops, bug layouts, #117 in a child process, the uint32 limit |
+| gated delta rule: fla 0.6 `chunk_gated_delta_rule_fwd/bwd` | argument contract, host copy of the boundaries | forward and every gradient == the reference on 1-token, chunk +-1, zero-length (middle, end), padding-only, two-row layouts, T not a multiple of 64; saved tensors == the fake | not yet run: ops, bug layouts, slack rows (#892), past 2**31 elements, JIT and autotune cache growth |
+| Kimi delta attention: fla 0.6 `chunk_kda_fwd/bwd` | argument contract | one case holding every bug layout, forward and every gradient; saved tensors == the fake | not yet run: ops, bug layouts, cache growth |
+| Mamba2 scan: mamba-ssm 2.3.2 `mamba_chunk_scan_combined` | argument contract; int32 offsets (#1015, #1036) and their guard | forward and every gradient == the reference on the same layouts (seq_idx with the gaps empty documents leave); output == the fake | not yet run: ops, bug layouts, the int32 limit (guarded and alone), cache growth |
 | selective scan | - (no library resets inside a row: the reference runs on CUDA) | - | - |
 """
 
@@ -181,12 +354,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks models-doc", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--write", action="store_true", help=f"write {DOCS_PATH}")
+    parser.add_argument("--wiring", action="store_true", help="print what stock hands each kernel function (JSON)")
     args = parser.parse_args(argv)
+    if args.wiring:
+        print(json.dumps(wiring(), indent=1))
+        return 0
     text = table()
     if args.write:
         header = HEADER.format(tf=transformers.__version__, torch=torch.__version__, lengths=LENGTHS)
         DOCS_PATH.write_text(
-            header + text + "\n\n" + _notes() + "\n" + POSITIONS_ONLY + "\n" + _releases() + "\n" + KERNEL_VERIFICATION
+            header + text + "\n\n" + _notes() + "\n" + _stock_paths() + "\n" + POSITIONS_ONLY + "\n" + _releases()
+            + "\n" + KERNEL_VERIFICATION
         )
     print(text)
     return 0

@@ -149,6 +149,8 @@ class ModeSession:
         result["trained_params_m"] = round(sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6, 2)
         self._model = model
         result["attn_implementation"] = model.config._attn_implementation
+        if not self._mode.patched:
+            result["stock_path"] = stock_path(model, self._device)
         first = (warmup or self._rounds[0])[0]
         self._check_docs = first.docs[: spec.check_docs]
         self._phase("logits alone")
@@ -362,6 +364,31 @@ def build_model(family, config, seed: int, widths: str = "bench") -> torch.nn.Mo
     if widths == "real":
         freeze_vocabulary(model)
     return model.train()
+
+
+def stock_path(model: torch.nn.Module, device) -> str:
+    """The code stock transformers runs for this model's sequence mixers, in words: its attention implementation,
+    then each kernel-backed global of its modeling module (``use_kernel_func_from_hub_with_fallback``) with the
+    package it found at import, or "torch fallback". Read from the wrapper's closure, so it names what runs, not
+    what is installed; a package runs only on CUDA tensors, and without one a boundary kwarg makes transformers
+    >= 5.20 raise. E.g. "cpu; attention: sdpa; causal_conv1d_fn: torch fallback"."""
+    import sys
+
+    parts = [torch.device(device).type, f"attention: {model.config._attn_implementation}"]
+    module = sys.modules.get(type(model).__module__)
+    for name, function in sorted(vars(module).items() if module else ()):
+        cells = _closure(function) or _closure(getattr(function, "__wrapped__", None))
+        if "is_new_implementation" in cells:
+            found = cells["package"] if cells["is_new_implementation"] else "torch fallback"
+            parts.append(f"{name}: {found}")
+    return "; ".join(parts)
+
+
+def _closure(function) -> dict:
+    code = getattr(function, "__code__", None)
+    if code is None or not function.__closure__:
+        return {}
+    return {name: cell.cell_contents for name, cell in zip(code.co_freevars, function.__closure__)}
 
 
 def freeze_vocabulary(model: torch.nn.Module) -> None:

@@ -3,6 +3,10 @@
 Every op has a pure-torch reference that runs on any device and is always what runs on CPU. On CUDA an op
 uses the library named here when it is installed. Libraries are imported lazily, on first use, so importing
 compilepack never imports a CUDA-only package.
+
+A library older than its floor (``FLOORS``: the oldest release without a reported varlen bug that compilepack
+cannot guard against, see docs/kernels.md) is refused when it would be chosen, with the version found and the fix.
+Its version is read from the installed package's metadata, without importing it.
 """
 
 from __future__ import annotations
@@ -10,9 +14,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import importlib.metadata
 import importlib.util
 import sys
 from types import ModuleType
+
+from packaging.version import InvalidVersion, Version
+
+from .errors import KernelVersionError
 
 REFERENCE = "reference"
 
@@ -36,6 +45,44 @@ _PROBE_MODULE = {
 
 
 @dataclasses.dataclass(frozen=True)
+class Floor:
+    """The oldest release of a kernel library compilepack admits on CUDA, and why (docs/kernels.md has the table)."""
+
+    distributions: tuple[str, ...]  # the pip distributions that install the module, the first one named in messages
+    version: str
+    why: str
+    upgrade: str  # the pip command that fixes it
+
+
+FLOORS: dict[str, Floor] = {
+    "flash_attn": Floor(
+        ("flash-attn",), "2.7.0",
+        "the varlen forward/backward compilepack calls take their window and softcap arguments as in 2.7",
+        "pip install -U 'flash-attn>=2.7'",
+    ),
+    "causal_conv1d": Floor(
+        ("causal-conv1d",), "1.5.1",
+        "the backward compilepack calls (causal_conv1d.cpp_functions) exists from 1.5.1",
+        "pip install -U 'causal-conv1d>=1.5.1'",
+    ),
+    "fla": Floor(
+        ("fla-core", "flash-linear-attention"), "0.6.0",
+        "0.5.x computes the chunk kernels' offsets in int32, wrong or illegal reads on long rows (fixed by fla "
+        "#1082), and does not import under triton 3.9",
+        "pip install -U 'fla-core>=0.6' 'flash-linear-attention>=0.6'",
+    ),
+    "mamba_ssm": Floor(
+        ("mamba-ssm",), "2.2.3",
+        "the chunk-scan backward before 2.2.3 gives wrong gradients or illegal memory accesses (mamba #537)",
+        "pip install -U 'mamba-ssm>=2.2.3'",
+    ),
+}
+
+# op kind -> how to run it without the library: named in refusals
+_WITHOUT_LIBRARY = {"attention": "torch_varlen", "conv": REFERENCE, "gated_delta": REFERENCE, "ssd": REFERENCE}
+
+
+@dataclasses.dataclass(frozen=True)
 class Backends:
     """The backend of each op kind (a name from ``CANDIDATES``), used when the op's tensors are on CUDA."""
 
@@ -44,7 +91,8 @@ class Backends:
     gated_delta: str = REFERENCE
     ssd: str = REFERENCE
     # compilepack.distributed.ContextParallel when patched with context_parallel=: every sequence mixer then runs
-    # head-parallel between two all-to-alls over its group (None: no context parallelism)
+    # head-parallel between two all-to-alls over its group, over tokens, or both, as its mode says (None: no context
+    # parallelism)
     context_parallel: object = None
 
     def describe(self) -> str:
@@ -66,11 +114,44 @@ def is_installed(backend: str) -> bool:
         return False
 
 
+def installed_version(backend: str) -> str | None:
+    """The installed release of a kernel library (from its package metadata, not importing it); None if unknown."""
+    for distribution in FLOORS[backend].distributions:
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_floor(backend: str, kind: str) -> None:
+    """Refuse ``backend`` for op kind ``kind`` when its installed release is older than its floor, or unknown."""
+    floor = FLOORS.get(backend)
+    if floor is None:
+        return
+    found = installed_version(backend)
+    try:
+        admitted = found is not None and Version(found) >= Version(floor.version)
+    except InvalidVersion:
+        admitted = False
+    if admitted:
+        return
+    seen = f"{floor.distributions[0]} {found} is installed" if found else (
+        f"the version of the installed {backend} cannot be read (no {floor.distributions[0]} package metadata)")
+    raise KernelVersionError(
+        f"compilepack refuses {backend} for {kind!r} on CUDA: {seen}, and compilepack needs "
+        f"{floor.distributions[0]} >= {floor.version} ({floor.why}). Fix: {floor.upgrade}, or run without it: "
+        f"compilepack.patch(model, backend={{{kind!r}: {_WITHOUT_LIBRARY[kind]!r}}}). See docs/kernels.md."
+    )
+
+
 def resolve(backend: str | dict[str, str] | Backends = "auto") -> Backends:
     """Turn the user's ``backend=`` argument into a :class:`Backends`.
 
     ``"auto"`` picks, per op kind, the first installed candidate; ``"reference"`` forces the pure-torch
     reference everywhere; a dict overrides single kinds (``{"attention": "torch_varlen"}``), the rest auto.
+    A chosen library installed below its floor (``FLOORS``) raises :class:`KernelVersionError`, auto or not: an
+    old kernel is never used silently, and never silently swapped for another.
     """
     if isinstance(backend, Backends):
         return backend
@@ -95,6 +176,7 @@ def resolve(backend: str | dict[str, str] | Backends = "auto") -> Backends:
             chosen[kind] = name
         else:
             chosen[kind] = next(name for name in candidates if is_installed(name))
+        check_floor(chosen[kind], kind)
     if overrides:
         raise ValueError(f"unknown op kinds in backend=: {sorted(overrides)}; expected {sorted(CANDIDATES)}.")
     return Backends(**chosen)

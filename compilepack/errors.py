@@ -25,3 +25,8 @@ class PatchConflictError(CompilepackError, RuntimeError):
 
 class ContextParallelError(CompilepackError, ValueError):
     """A model or batch that cannot run under the requested context parallelism."""
+
+
+class KernelVersionError(CompilepackError, ValueError):
+    """A kernel library installed below its floor (``compilepack.backends.FLOORS``) would be used: upgrade it, or
+    choose another backend."""

@@ -2,10 +2,17 @@
 
 For the gated delta rule, Kimi delta attention and the Mamba2 chunk scan: the op with its CUDA backend forced onto
 the real library vs the same op's reference, output and every input gradient, on layouts with 1-token documents,
-documents of the library's chunk size +-1, many short documents, zero-length documents where the op takes them,
-and two rows; and what the path's fake promises (outputs and saved tensors: shape, dtype, stride) vs what the
-library returns. Tolerance: 2e-5 of the largest reference entry (measured: ~2e-6; fp32 throughout, the library
-and the reference sum in different orders).
+documents of the library's chunk size +-1, many short documents, zero-length documents, two rows, and the layout
+``PackedCollator(fixed_shape=True)`` emits (``packed-collator``: two rows of 83 tokens, T not a multiple of the
+chunk size, a zero-length document in the middle and two at the end, 1-token documents, a padding-only document
+whose tokens are all alike); and what the path's fake promises (outputs and saved tensors: shape, dtype, stride) vs
+what the library returns. The Mamba2 scan takes ``seq_idx`` as the patch derives it from ``cu_seqlens``: a
+zero-length document leaves a gap in the ids. Tolerance: 2e-5 of the largest reference entry (measured: ~2e-6;
+fp32 throughout, the library and the reference sum in different orders).
+
+These are the layouts of the varlen bugs reported against the libraries (docs/kernels.md): empty and padding-only
+segments (fla #103, #892; VeOmni #845; LlamaFactory #10452), several rows (fla #955), a row length that leaves a
+partial last chunk. None of them fails in the releases compilepack admits (fla 0.6.0, mamba-ssm 2.3.2.post1).
 """
 
 from __future__ import annotations
@@ -15,9 +22,10 @@ import torch
 import torch.nn.functional as F
 
 from compilepack import backends
+from compilepack.boundaries import seq_idx_from_cu_seqlens
 from compilepack.ops import gated_delta_rule, kimi_delta_attention, mamba2
 from tests.ops.properties import assert_close
-from tests.strategies import cu_seqlens_of, seq_idx_of
+from tests.strategies import cu_seqlens_of
 
 pytestmark = pytest.mark.kernels
 
@@ -29,7 +37,10 @@ LAYOUTS = {
     "many-short": ([3, 7, 2, 9, 1, 4, 6, 5, 8, 2, 3, 7], 1),
     "zero-length": ([20, 0, 30, 0], 1),
     "two-rows": ([40, 25, 65], 2),
+    # row 0: 1, (empty), chunk + 1, 1, 16; row 1: 30, 1, 52 padding tokens, (empty), (empty)
+    "packed-collator": ([1, 0, FLA_CHUNK + 1, 1, 16, 30, 1, 52, 0, 0], 2),
 }
+PADDING_DOCUMENT = {"packed-collator": 7}  # the layout's padding-only document (index into its lengths)
 
 
 @pytest.fixture
@@ -48,15 +59,30 @@ def _rows(lengths, rows):
     return rows, total // rows
 
 
-def _delta_rule_inputs(lengths, rows, per_channel, seed=0):
+def _as_padding(tensors, lengths, layout):
+    """The layout's padding-only document, if it has one, made of identical tokens (one pad token id embedded and
+    projected the same way at every position): its first token's values repeated."""
+    index = PADDING_DOCUMENT.get(layout)
+    if index is None:
+        return tensors
+    start, end = sum(lengths[:index]), sum(lengths[: index + 1])
+    for x in tensors:
+        if x.shape[:2] == tensors[0].shape[:2]:  # per token (not a per-head parameter)
+            flat = x.view(-1, *x.shape[2:])
+            flat[start:end] = flat[start]
+    return tensors
+
+
+def _delta_rule_inputs(lengths, rows, per_channel, seed=0, layout=None):
     g = torch.Generator().manual_seed(seed)
     b, t = _rows(lengths, rows)
     q, k = (torch.randn(b, t, 2, 32, generator=g) for _ in range(2))
+    k = k * 32**-0.5  # |k|^2 ~ 1: without the l2norm a run of alike keys (the padding document) would blow the state up
     v = torch.randn(b, t, 4, 32, generator=g)
     decay_shape = (b, t, 4, 32) if per_channel else (b, t, 4)
     decay = F.logsigmoid(torch.randn(*decay_shape, generator=g) + 2)
     beta = torch.rand(b, t, 4, generator=g)
-    return [x.requires_grad_() for x in (q, k, v, decay, beta)]
+    return [x.requires_grad_() for x in _as_padding([q, k, v, decay, beta], lengths, layout)]
 
 
 def _run(function, inputs, seed=1):
@@ -100,7 +126,7 @@ def test_gated_delta_rule_fla_equals_reference(kernels_on_cpu, layout, use_qk_l2
         return gated_delta_rule.gated_delta_rule_varlen(
             q, k, v, g, beta, cu, use_qk_l2norm=use_qk_l2norm, cu_seqlens_cpu=cu.clone(), backend=backend)
 
-    _assert_paths_agree(run, _delta_rule_inputs(lengths, rows, per_channel=False))
+    _assert_paths_agree(run, _delta_rule_inputs(lengths, rows, per_channel=False, layout=layout))
     assert "fla.ops.gated_delta_rule.chunk" in kernels_on_cpu
 
 
@@ -112,8 +138,10 @@ def test_gated_delta_rule_fla_saves_what_the_fake_says(kernels_on_cpu):
 
 
 def test_kimi_delta_attention_fla_equals_reference(kernels_on_cpu):
-    """One case: KDA is slow under the interpreter."""
-    lengths, rows = [1, FLA_CHUNK + 1, 14], 1
+    """One case, the layout that holds every other (1-token documents, chunk size + 1, empty documents in the middle
+    and at the end, a padding-only document, two rows, a partial last chunk): KDA is slow under the interpreter."""
+    layout = "packed-collator"
+    lengths, rows = LAYOUTS[layout]
     cu = cu_seqlens_of(lengths)
 
     def run(q, k, v, g, beta, which):
@@ -121,7 +149,7 @@ def test_kimi_delta_attention_fla_equals_reference(kernels_on_cpu):
         return kimi_delta_attention.kimi_delta_attention_varlen(
             q, k, v, g, beta, cu, use_qk_l2norm=True, cu_seqlens_cpu=cu.clone(), backend=backend)
 
-    inputs = _delta_rule_inputs(lengths, rows, per_channel=True)
+    inputs = _delta_rule_inputs(lengths, rows, per_channel=True, layout=layout)
     _assert_paths_agree(run, inputs)
     assert "fla.ops.kda.chunk" in kernels_on_cpu
     _assert_fake_matches(kimi_delta_attention.OP, [*(x.detach() for x in inputs), cu, cu.clone(), True, 32**-0.5, "fla"])
@@ -130,7 +158,7 @@ def test_kimi_delta_attention_fla_equals_reference(kernels_on_cpu):
 # ------------------------------------------------------------------------------------------------ mamba-ssm
 
 
-def _scan_inputs(lengths, rows, seed=0):
+def _scan_inputs(lengths, rows, seed=0, layout=None):
     g = torch.Generator().manual_seed(seed)
     b, t = _rows(lengths, rows)
     x = torch.randn(b, t, 4, 16, generator=g)
@@ -138,15 +166,16 @@ def _scan_inputs(lengths, rows, seed=0):
     A = -torch.rand(4, generator=g) - 0.5
     B, C = (torch.randn(b, t, 2, 8, generator=g) for _ in range(2))
     D, dt_bias = torch.rand(4, generator=g), torch.rand(4, generator=g) * 0.1
-    return [t.requires_grad_() for t in (x, dt, A, B, C, D, dt_bias)]
+    return [t.requires_grad_() for t in _as_padding([x, dt, A, B, C, D, dt_bias], lengths, layout)]
 
 
 def _seq_idx(lengths, rows):
-    """Document index per token, ``[rows, T / rows]`` (documents do not cross rows)."""
-    return seq_idx_of([n for n in lengths if n]).view(rows, -1)
+    """Document index per token, ``[rows, T / rows]``, as the patch derives it from ``cu_seqlens``: a zero-length
+    document takes no token and leaves a gap in the ids (documents do not cross rows)."""
+    return seq_idx_from_cu_seqlens(cu_seqlens_of(lengths), sum(lengths)).view(rows, -1)
 
 
-@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "zero-length"])  # seq_idx has no empty docs
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_mamba2_chunk_scan_mamba_ssm_equals_reference(kernels_on_cpu, layout):
     lengths, rows = LAYOUTS[layout]
     seq_idx = _seq_idx(lengths, rows)
@@ -156,7 +185,7 @@ def test_mamba2_chunk_scan_mamba_ssm_equals_reference(kernels_on_cpu, layout):
         return mamba2.mamba2_chunk_scan_varlen(x, dt, A, B, C, FLA_CHUNK, D=D, dt_bias=dt_bias, dt_softplus=True,
                                               seq_idx=seq_idx, backend=backend)
 
-    _assert_paths_agree(run, _scan_inputs(lengths, rows))
+    _assert_paths_agree(run, _scan_inputs(lengths, rows, layout=layout))
     assert "mamba_ssm.ops.triton.ssd_combined" in kernels_on_cpu
 
 

@@ -3,6 +3,11 @@
 
 The forward returns the output (q's shape), a float32 ``[H, T]`` log-sum-exp and an rng state; without dropout the
 state is unused, so the backward is handed zeros. GQA is the op's ``enable_gqa`` flag.
+
+torch's kernels are flash-attn 2's (``aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp``), with its
+one-token-per-sequence shortcut at ``max_seqlen_q == 1`` that fails on empty sequences; causal attention without
+a window reaches it here too (``is_causal`` is dropped at ``max_seqlen_q == 1``, leaving no window). The kernels are
+handed a bound of at least 2, as in ``flash_attn.py``.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import torch
 
 from ... import backends
 from .._scaffold import Path
+from .flash_attn import kernel_max_seqlen
 from .reference import NO_WINDOW
 
 TORCH_VARLEN_MODULE = "torch.nn.attention.varlen"
@@ -26,6 +32,7 @@ def _window(causal: bool, window_left: int) -> tuple[bool, list[int]]:
 def forward(q, k, v, cu_seqlens, cu_seqlens_cpu, max_seqlen, causal, scale, window_left):
     backends.load(TORCH_VARLEN_MODULE)  # registers torch.ops.torch_attn
     is_causal, window = _window(causal, window_left)
+    max_seqlen = kernel_max_seqlen(max_seqlen)
     out, lse, _ = torch.ops.torch_attn._varlen_attn(
         q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
         is_causal, scale, window, q.shape[1] != k.shape[1], None, None, None,
@@ -44,6 +51,7 @@ def backward(grad_out, out, saved, needs_grad, q, k, v, cu_seqlens, cu_seqlens_c
     (lse,) = saved
     is_causal, window = _window(causal, window_left)
     rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: the state is unused
+    max_seqlen = kernel_max_seqlen(max_seqlen)
     dq, dk, dv = torch.ops.torch_attn._varlen_attn_backward(
         grad_out.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out, lse, cu_seqlens, cu_seqlens,
         max_seqlen, max_seqlen, is_causal, rng_state, scale, window,

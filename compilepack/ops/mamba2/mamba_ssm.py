@@ -12,16 +12,58 @@ Read in state-spaces/mamba at e9594ce (mamba-ssm 2.3.2.post1), ``mamba_ssm/ops/t
 
 We pass every tensor contiguous, seq_idx int32, ints and floats as Python values. Nothing is saved beyond the
 output: the library's backward rebuilds its chunk states itself.
+
+Long rows: every release computes the SSD kernels' pointer offsets in int32 (Triton specialises the program ids and
+strides as i32), so past 2**31 elements an offset wraps, silently or into an illegal access (mamba #1015, the
+fixes #1033-#1038 closed or open, none released). The offsets stay below the element count of the tensor they
+index, so a call runs the library only while every tensor its forward and backward allocate or read (T rounded up
+to whole chunks) holds fewer than 2**31 elements (:func:`fits_int32_offsets`); a larger one runs compilepack's
+reference, on the same device, with the same output layout. Decided from shapes inside the op: no host sync.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from ... import backends
 from .._scaffold import Path
+from . import reference
 
 SSD_COMBINED = "mamba_ssm.ops.triton.ssd_combined"  # the module holding the SSD forward/backward functions
+INT32_ELEMENTS = 2**31  # a tensor the kernels index with this many elements or more can wrap their offsets
+
+
+def fits_int32_offsets(x, B, chunk_size: int) -> bool:
+    """Whether every tensor ``mamba_chunk_scan_combined`` and its backward index stays under 2**31 elements.
+
+    Read in mamba-ssm 2.3.2.post1 (``ssd_chunk_state.py``, ``ssd_chunk_scan.py``, ``ssd_combined.py``): x, out, dx
+    ``[b, T, H, P]`` (and dD, smaller); the chunk states and their gradients ``[b, nc, H, P, N]``; ``CB`` ``[b, nc,
+    G, cs, cs]`` and its gradient ``[b, nc, splits, G, cs, cs]``; dB, dC ``[b, T, splits, G, N]``; ddA_cumsum ``[b,
+    H, nc, cs/16, cs]`` (smaller than the gradient of CB at its widest split)."""
+    batch, _, heads, head_dim = x.shape
+    groups, state = B.shape[2], B.shape[3]
+    chunks = -(-x.shape[1] // chunk_size)
+    tokens, splits = chunks * chunk_size, _head_splits(x, chunks, heads, groups)
+    largest = max(
+        batch * tokens * heads * head_dim,
+        batch * chunks * heads * head_dim * state,
+        batch * tokens * splits * groups * max(chunk_size, state),
+    )
+    return largest < INT32_ELEMENTS
+
+
+def _head_splits(x, chunks: int, heads: int, groups: int) -> int:
+    """The backward's split of each group's heads (``nsplits`` in ``_chunk_state_bwd_db`` and
+    ``_chunk_scan_bwd_dcb``): from the device's SM count, as the library computes it; at most ``H / G``, the bound
+    taken off CUDA (a host property, no sync)."""
+    per_group = heads // groups
+    if x.device.type != "cuda":
+        return per_group
+    sm_count = torch.cuda.get_device_properties(x.device).multi_processor_count
+    per_program = max(min(math.ceil(x.shape[0] * chunks * heads / sm_count), per_group), 1)
+    return -(-per_group // per_program)
 
 
 def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -29,6 +71,9 @@ def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def forward(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max):
+    if not fits_int32_offsets(x, B, chunk_size):
+        y, _ = reference.forward(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max)
+        return y.to(x.dtype), []
     ssd = backends.load(SSD_COMBINED)
     y = ssd.mamba_chunk_scan_combined(
         x.contiguous(), dt.contiguous(), A.contiguous(), B.contiguous(), C.contiguous(), chunk_size,
@@ -44,6 +89,10 @@ def fake(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, dt_min, d
 
 def backward(grad_y, y, saved, needs_grad, x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, dt_min,
              dt_max):
+    if not fits_int32_offsets(x, B, chunk_size):  # the reference's backward, from its own forward (recomputed)
+        inputs = (x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max)
+        y_reference, saved_reference = reference.forward(*inputs)
+        return reference.backward(grad_y, y_reference, saved_reference, needs_grad, *inputs)
     ssd = backends.load(SSD_COMBINED)
     dx, ddt, dA, dB, dC, dD, _dz, ddt_bias, _dinitial = ssd._mamba_chunk_scan_combined_bwd(
         grad_y.to(y.dtype).contiguous(), x.contiguous(), dt.contiguous(), A.contiguous(), B.contiguous(),

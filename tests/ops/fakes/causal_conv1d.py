@@ -5,7 +5,16 @@ argument fails here with a TypeError), each call recorded, and the layout and dt
 
 Results come from compilepack's reference path, allocated as the library allocates them (``empty_like(x)`` for out
 and dx, weight's dtype for dweight, None for dbias without bias), so a path's wiring is tested, not the kernel's
-numerics."""
+numerics.
+
+Two reported bugs of every release (1.5.1 to 1.6.1.post4) are reproduced as the kernels' contract, so a path that
+does not guard against them fails here as it would on the GPU:
+
+- the channel-last forward reads ``seq_idx`` in whole chunks of 64 tokens, checking only the lower bound
+  (``csrc/causal_conv1d_fwd.cu``; causal-conv1d #117): the read must stay inside ``seq_idx``'s storage, else
+  ``IndexError`` (on the GPU an illegal read);
+- x is indexed with uint32 offsets (``csrc/causal_conv1d.h``; causal-conv1d #114): ``UINT32_ELEMENTS`` elements or
+  more raise ``OverflowError`` (on the GPU a silent wrap). A test lowers the class attribute to reach it."""
 
 from __future__ import annotations
 
@@ -16,6 +25,20 @@ import torch
 from compilepack.ops.causal_conv1d import reference
 
 MODULES = ("causal_conv1d", "causal_conv1d.cpp_functions")
+FORWARD_CHUNK = 64  # the channel-last forward kernel's tokens per block (kChunkSizeL)
+
+
+def read_seq_idx_as_the_forward_kernel_does(seq_idx):
+    """Every row of ``seq_idx`` read in whole chunks of ``FORWARD_CHUNK`` tokens: up to 63 ints past a row's end,
+    past the tensor itself for the last row. ``IndexError`` when that leaves ``seq_idx``'s storage."""
+    batch, seqlen = seq_idx.shape
+    reach = (batch - 1) * seqlen + -(-seqlen // FORWARD_CHUNK) * FORWARD_CHUNK
+    stored = seq_idx.untyped_storage().nbytes() // seq_idx.element_size() - seq_idx.storage_offset()
+    if reach > stored:
+        raise IndexError(
+            f"causal-conv1d's forward reads seq_idx up to element {reach} from its start, its storage holds {stored} "
+            "(causal-conv1d #117: an out-of-bounds read on the GPU)"
+        )
 
 
 def assert_channel_last_for_kernel(t, name):
@@ -26,12 +49,15 @@ def assert_channel_last_for_kernel(t, name):
 class FakeCausalConv1d(types.SimpleNamespace):
     """Both modules in one object: route every name of ``MODULES`` to it."""
 
+    UINT32_ELEMENTS = 2**32  # x's element count at which the kernels' uint32 offsets wrap
+
     def __init__(self):
         super().__init__(calls=[])
 
-    @staticmethod
-    def check_common(x, weight, bias, seq_idx):
+    def check_common(self, x, weight, bias, seq_idx):
         batch, dim, seqlen = x.shape
+        if x.numel() >= self.UINT32_ELEMENTS:
+            raise OverflowError(f"x has {x.numel()} elements: causal-conv1d's uint32 offsets wrap (causal-conv1d #114)")
         assert_channel_last_for_kernel(x, "x")
         assert weight.shape == (dim, weight.shape[1]) and 2 <= weight.shape[1] <= 4
         assert bias is None or (bias.dtype == weight.dtype and bias.stride(-1) == 1)
@@ -42,6 +68,7 @@ class FakeCausalConv1d(types.SimpleNamespace):
                          final_states_out=None, activation=None):
         self.calls.append("fwd")
         self.check_common(x, weight, bias, seq_idx)
+        read_seq_idx_as_the_forward_kernel_does(seq_idx)
         assert initial_states is None and return_final_states is False and final_states_out is None
         assert activation in (None, "silu")
         out, _ = reference.forward(x, weight, bias, seq_idx, activation == "silu")

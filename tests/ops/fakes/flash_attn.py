@@ -3,7 +3,12 @@ compilepack's ``flash_attn`` path calls, with flash-attn's parameter names and d
 argument fails here with a TypeError), each call recorded.
 
 Results come from compilepack's reference path, with flash-attn's float32 ``[H, T]`` log-sum-exp, so the path's
-wiring is tested, not flash-attn's numerics (``benchmarks/gpu_check.py`` runs the real kernels)."""
+wiring is tested, not flash-attn's numerics (``benchmarks/gpu_check.py`` runs the real kernels).
+
+The forward reproduces ``mha_varlen_fwd``'s one-token-per-sequence shortcut (``csrc/flash_attn/flash_api.cpp``,
+2.7.0 to 2.8.3; torch's copy has it too): at ``max_seqlen_q == 1`` it drops ``is_causal``, and without a window and
+with more query than key heads it reshapes q as one token per sequence, which raises when a sequence is empty
+(flash-attn #1537)."""
 
 from __future__ import annotations
 
@@ -12,6 +17,17 @@ import types
 import torch
 
 from compilepack.ops.attention import reference
+
+
+def varlen_forward_shortcut(q, k, cu_seqlens_q, max_seqlen_q, causal, window_size_left, window_size_right):
+    """``mha_varlen_fwd``'s ``seqlenq_ngroups_swapped``: the same reshape, so an empty sequence raises as there."""
+    if max_seqlen_q == 1:
+        causal = False  # "causal=true is the same as causal=false in this case"
+    if causal:
+        window_size_right = 0
+    heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
+    if max_seqlen_q == 1 and heads > kv_heads and window_size_left < 0 and window_size_right < 0 and head_dim % 8 == 0:
+        q.reshape(cu_seqlens_q.numel() - 1, kv_heads, heads // kv_heads, head_dim)
 
 
 class FakeFlashAttn(types.SimpleNamespace):
@@ -43,6 +59,7 @@ class FakeFlashAttn(types.SimpleNamespace):
     ):
         self.calls.append("forward")
         self.check_common(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+        varlen_forward_shortcut(q, k, cu_seqlens_q, max_seqlen_q, causal, window_size_left, window_size_right)
         assert dropout_p == 0.0 and softcap == 0.0 and alibi_slopes is None and return_softmax is False
         assert type(softmax_scale) is float
         inputs = self.reference_inputs(q, k, v, cu_seqlens_q, max_seqlen_q, causal, window_size_left, window_size_right)

@@ -2,7 +2,11 @@
 functions compilepack's mamba_ssm path calls, with mamba-ssm's argument names (a renamed or extra argument fails
 here with a TypeError), each call recorded.
 
-Results come from compilepack's reference path, so the path's wiring is tested, not mamba-ssm's numerics."""
+Results come from compilepack's reference path, so the path's wiring is tested, not mamba-ssm's numerics.
+
+The int32 offsets of every release (mamba #1015, #1036) are the contract: a call whose input, chunk states or
+chunk matrices (and their gradients, the head split at its widest) reach ``INT32_ELEMENTS`` elements raises
+``OverflowError`` (on the GPU a silent wrap or an illegal access). A test lowers the class attribute to reach it."""
 
 from __future__ import annotations
 
@@ -22,11 +26,26 @@ def _kernel_tensor(t: torch.Tensor, name: str, dtype: torch.dtype | None = None)
 class FakeSSD(types.SimpleNamespace):
     """``mamba_ssm.ops.triton.ssd_combined``: ``mamba_chunk_scan_combined`` and ``_mamba_chunk_scan_combined_bwd``."""
 
+    INT32_ELEMENTS = 2**31
+
     def __init__(self):
         super().__init__(calls=[])
 
-    @staticmethod
-    def check_scan(x, dt, A, B, C, chunk_size, D, dt_bias, seq_idx, dt_softplus, dt_limit):
+    def check_offsets(self, x, B, chunk_size):
+        """The tensors the library allocates and indexes: x ``[b, T, H, P]``, the chunk states ``[b, nc, H, P, N]``,
+        the chunk matrices' gradient ``[b, nc, H/G, G, cs, cs]`` and dB ``[b, T, H/G, G, N]``, T in whole chunks."""
+        batch, seqlen, heads, head_dim = x.shape
+        chunks = -(-seqlen // chunk_size)
+        sizes = {"x": batch * chunks * chunk_size * heads * head_dim,
+                 "states": batch * chunks * heads * head_dim * B.shape[3],
+                 "dcb": batch * chunks * heads * chunk_size * chunk_size,
+                 "dB": batch * chunks * chunk_size * heads * B.shape[3]}
+        name, largest = max(sizes.items(), key=lambda item: item[1])
+        if largest >= self.INT32_ELEMENTS:
+            raise OverflowError(f"{name} has {largest} elements: mamba-ssm's int32 offsets wrap (mamba #1015, #1036)")
+
+    def check_scan(self, x, dt, A, B, C, chunk_size, D, dt_bias, seq_idx, dt_softplus, dt_limit):
+        self.check_offsets(x, B, chunk_size)
         for name, t in (("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C), ("D", D), ("dt_bias", dt_bias)):
             if t is not None:
                 _kernel_tensor(t, name)

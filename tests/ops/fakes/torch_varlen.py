@@ -1,6 +1,8 @@
 """A stand-in for torch's varlen attention ops (``torch.ops.torch_attn._varlen_attn`` and
 ``_varlen_attn_backward``, registered by ``torch.nn.attention.varlen``), with torch's parameter names and defaults,
 each call recorded. Results come from compilepack's reference path with torch's float32 ``[H, T]`` log-sum-exp.
+The forward reproduces flash-attn's one-token-per-sequence shortcut, which torch's copy of ``mha_varlen_fwd`` has
+(``fakes/flash_attn.py``): torch passes ``is_causal`` with a ``(-1, -1)`` window, so causal attention reaches it.
 
 ``FakeTorchVarlen.route(monkeypatch)`` makes the ``torch_varlen`` path run on CPU tensors against a fresh fake."""
 
@@ -13,6 +15,7 @@ import torch
 
 from compilepack.ops.attention import NO_WINDOW, reference
 from tests.ops.fakes import route_kernels
+from tests.ops.fakes.flash_attn import varlen_forward_shortcut
 
 MODULE = "torch.nn.attention.varlen"
 
@@ -54,6 +57,7 @@ class FakeTorchVarlen(types.SimpleNamespace):
     ):
         self.calls.append("forward")
         self.check_common(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k)
+        varlen_forward_shortcut(query, key, cu_seq_q, max_q, is_causal, *window_size)
         assert enable_gqa == (query.shape[1] != key.shape[1]) and seqused_k is None and block_table is None
         assert num_splits is None and type(scale) is float
         causal, window_left = self.reference_window(is_causal, window_size)
