@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from benchmarks import gpu_check
+from benchmarks.gpu import common, compiles, long_rows
 from benchmarks.worker import build_model, stock_path
 from compilepack.patching import family_named
 
@@ -33,7 +34,7 @@ def test_gpu_check_smoke_on_cpu(tmp_path):
         assert op["ok"] and op["packed_vs_alone_same_kernel"] <= 1e-4, op
     # every op on the bug layouts (CPU: the references, so only the plumbing is checked)
     assert {(entry["op"], entry["layout"]) for entry in report["layouts"]} == {
-        (op, layout) for op in OPS for layout in gpu_check.SMOKE_LAYOUTS}
+        (op, layout) for op in OPS for layout in common.SMOKE_LAYOUTS}
     for entry in report["layouts"]:
         assert "error" not in entry and entry["ok"] and entry["finite"], entry
     for section in ("known_bugs", "long_rows"):
@@ -69,10 +70,10 @@ def test_stock_path_names_the_fallbacks_a_hybrid_runs():
 
 
 def test_varied_batches_fill_their_rows_and_hold_empty_documents():
-    for lengths, rows in gpu_check._varied_batches(1, 6):
+    for lengths, rows in compiles._varied_batches(1, 6):
         assert sum(lengths) % rows == 0 and 0 in lengths
         assert all(n >= 0 for n in lengths)
 
 
 def test_largest_admitted_bisects_to_the_bound():
-    assert gpu_check._largest_admitted(lambda tokens: tokens * 8192 < 2**31, 128, 2**31 // 8192 + 512) == 262144 - 128
+    assert long_rows._largest_admitted(lambda tokens: tokens * 8192 < 2**31, 128, 2**31 // 8192 + 512) == 262144 - 128
