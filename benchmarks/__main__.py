@@ -15,6 +15,7 @@ COMMANDS = {
     "gpu-check": ("benchmarks.gpu_check", "the kernel paths on a GPU, one JSON"),
     "models-doc": ("benchmarks.models_doc", "stock vs patched per family: docs/models.md"),
     "history": ("benchmarks.history", "rebuild benchmarks/results/history.csv from result files"),
+    "trainer-rows": ("benchmarks.trainer_rows", "HF Trainer / SFTTrainer steps at real vocabularies, 4k-32k rows"),
 }
 
 

@@ -5,14 +5,16 @@
     loss = step(**collate(features)).loss                  # HF DataCollatorWithFlattening or PackedCollator
 """
 
-from . import distributed, ops
+from . import distributed, lm_head, ops
 from .backends import Backends
 from .layout import Boundaries
 from .collator import PackedCollator
 from .errors import (
     BoundaryError,
     CompilepackError,
+    ContextParallelError,
     IncompatibleTransformersError,
+    KernelVersionError,
     PatchConflictError,
     UnsupportedModelError,
 )
@@ -28,7 +30,9 @@ __all__ = [
     "Boundaries",
     "BoundaryError",
     "CompilepackError",
+    "ContextParallelError",
     "IncompatibleTransformersError",
+    "KernelVersionError",
     "PatchConflictError",
     "UnsupportedModelError",
     "CompileReport",
@@ -40,6 +44,7 @@ __all__ = [
     "explain",
     "families",
     "is_patched",
+    "lm_head",
     "ops",
     "patch",
     "patched",

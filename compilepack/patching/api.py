@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import inspect
 import types
+from collections.abc import Callable
 
 import torch
 
@@ -69,7 +70,11 @@ class PatchState:
 
 
 def patch(
-    model: torch.nn.Module, *, backend: str | dict | _backends.Backends = "auto", context_parallel=None
+    model: torch.nn.Module,
+    *,
+    backend: str | dict | _backends.Backends = "auto",
+    context_parallel=None,
+    lm_head: str | None = None,
 ) -> torch.nn.Module:
     """Make ``model`` run packed batches through compilepack's ops. Call before ``torch.compile``.
 
@@ -84,7 +89,15 @@ def patch(
             references always run.
         context_parallel: a process group (or 1-D DeviceMesh) to run Ulysses context parallelism over: each rank
             holds ``1 / W`` of every packed row (``compilepack.distributed.shard_batch``) and every sequence mixer
-            runs head-parallel on the whole rows between two all-to-alls. See docs/context-parallel.md.
+            runs head-parallel on the whole rows between two all-to-alls. Or a
+            ``compilepack.distributed.ContextParallel``: ``ContextParallel.sequence_parallel(group)`` (every mixer
+            runs on the rank's slice: W bounded by the tokens, not the heads) or ``ContextParallel.hybrid(mesh)``
+            (Ulysses inside groups, sequence across them; a 2-D DeviceMesh named ``("sequence", "ulysses")`` passed
+            here directly selects it too). See docs/context-parallel.md.
+        lm_head: ``"chunked"``: a forward given ``labels`` computes the LM head and its loss a chunk of tokens at a
+            time, never holding the ``[T, V]`` logits (``logits`` is then None; see docs/long-rows.md). None (the
+            default) keeps the stock head. Either way, a TRL fused LM head on the model (``SFTTrainer``'s) is routed
+            to compilepack's op so that it compiles to one graph, whether the trainer adds it before or after.
 
     Returns:
         ``model`` itself.
@@ -98,6 +111,7 @@ def patch(
         raise PatchConflictError(
             "the model is already compiled: call compilepack.patch(model) first, then torch.compile(model)."
         )
+    _check_extensions(lm_head=lm_head)
     chosen = _backends.resolve(backend)
     family = family_of(model)
     if context_parallel is not None:
@@ -107,12 +121,12 @@ def patch(
     state = patch_state(model)
     if state is not None:
         if (state.family, state.backends, _ids(state.modules)) == (family.name, chosen, _ids(m for m, _ in targets)):
-            return model
+            return _install_extensions(model, lm_head=lm_head)
         unpatch(model)  # another backend, or a partial patch: start from stock
     _refuse_foreign_forwards([m for m, _ in targets])
     for module, forward in targets:
         module.forward = PatchedForward(forward, module, family.name, chosen)
-    return model
+    return _install_extensions(model, lm_head=lm_head)
 
 
 def _with_context_parallel(model, family, chosen: _backends.Backends, group_or_mesh) -> _backends.Backends:
@@ -133,6 +147,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     """
     state = patch_state(model)
     if state is None:
+        _remove_extensions(model)
         return model
     wrapped = [m for m in state.modules if not isinstance(m.__dict__["forward"], PatchedForward)]
     if wrapped:
@@ -144,6 +159,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
         )
     for module in state.modules:
         del module.__dict__["forward"]
+    _remove_extensions(model)
     return model
 
 
@@ -225,3 +241,49 @@ def _refuse_foreign_forwards(modules) -> None:
                 "(accelerate hooks, a kernel patcher, ...). compilepack will not stack on it: patch the model "
                 "before that tool, or undo the other patch first."
             )
+
+
+# ------------------------------------------------------------------------------------------------ model extensions
+# What patch() installs on the whole model after its layers, and unpatch() removes: the chunked LM head
+# (compilepack/lm_head.py) and the routing of TRL's fused head (compilepack/integrations/trl.py). They register
+# themselves here as they are imported (compilepack/__init__.py imports both), so this layer never imports them.
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelExtension:
+    """One model-level extension. ``install(model, **options)`` runs on every :func:`patch` (idempotent), with
+    the options patch() takes for extensions (``lm_head``); ``options`` names those this one reads, and ``check``
+    refuses a bad value before anything is patched."""
+
+    name: str
+    install: Callable[..., None]
+    remove: Callable[[torch.nn.Module], object]
+    options: tuple[str, ...] = ()
+    check: Callable[..., None] = lambda **options: None
+
+
+_EXTENSIONS: dict[str, ModelExtension] = {}
+
+
+def register_extension(extension: ModelExtension) -> None:
+    _EXTENSIONS[extension.name] = extension
+
+
+def _check_extensions(**options) -> None:
+    claimed = {name for extension in _EXTENSIONS.values() for name in extension.options}
+    unclaimed = sorted(name for name, value in options.items() if value is not None and name not in claimed)
+    if unclaimed:  # never silently ignored: only if the module that reads the option was not imported
+        raise ValueError(f"patch() options {unclaimed} have no extension to read them (import compilepack first).")
+    for extension in _EXTENSIONS.values():
+        extension.check(**options)
+
+
+def _install_extensions(model: torch.nn.Module, **options) -> torch.nn.Module:
+    for extension in _EXTENSIONS.values():
+        extension.install(model, **options)
+    return model
+
+
+def _remove_extensions(model: torch.nn.Module) -> None:
+    for extension in _EXTENSIONS.values():
+        extension.remove(model)

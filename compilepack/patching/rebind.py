@@ -94,6 +94,11 @@ def with_globals(function: Callable, renames: Mapping[str, str], boundary_calls:
     return wrapper
 
 
+def renamed_copy(function: Callable, renames: Mapping[str, str]) -> Callable:
+    """Copy of ``function`` itself (not what it wraps) loading the globals in ``renames`` under their new names."""
+    return _copy_function(function, _renamed(function.__code__, renames, function), function.__closure__)
+
+
 def innermost(function: Callable) -> Callable:
     """The undecorated function under a chain of ``functools.wraps`` decorators."""
     while hasattr(function, "__wrapped__"):

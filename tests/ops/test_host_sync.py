@@ -108,9 +108,20 @@ def _selective_scan(backend):
     return selective_scan_varlen(u, delta, A, B, C, delta_softplus=True, seq_idx=on_device(SEQ_IDX), backend=backend)
 
 
+def _lm_head(backend):
+    from compilepack.ops.lm_head import lm_head_logprobs
+
+    h, w = _grad_inputs((T, 16), (64, 16))
+    targets = torch.where(torch.arange(T) % 5 == 0, -100, torch.arange(T) % 64)  # every fifth target ignored
+    out = lm_head_logprobs(h, w, None, on_device(targets), chunk_tokens=32, stats=("entropy", "is_top1"),
+                           backend=backend)
+    return torch.stack([out.log_probs, out.entropy])
+
+
 OPS = {
     "attention": _attention, "conv": _conv, "gated_delta_rule": _gated_delta_rule,
     "kimi_delta_attention": _kimi_delta_attention, "mamba2": _mamba2, "selective_scan": _selective_scan,
+    "lm_head": _lm_head,
 }
 
 

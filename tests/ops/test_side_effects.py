@@ -34,6 +34,8 @@ def _inputs():
                                                        r(1, T, 1, 4), 16, seq_idx=seq_idx),
         "selective_scan": lambda: ops.selective_scan_varlen(r(1, 4, T), r(1, 4, T), -torch.rand(4, 3), r(1, 3, T),
                                                             r(1, 3, T), seq_idx=seq_idx),
+        "lm_head": lambda: ops.lm_head.lm_head_logprobs(r(T, 8), r(32, 8), None, torch.arange(T) % 32,
+                                                       chunk_tokens=16).log_probs,
     }
 
 

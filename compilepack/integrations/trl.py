@@ -1,0 +1,279 @@
+"""TRL's fused LM head, made to compile to one graph: routed to ``compilepack::lm_head_logprobs``.
+
+TRL 1.16's trainers (``SFTTrainer`` always) install a fused LM head with ``trl.trainer.utils.add_fused_lm_head``: it
+replaces the causal LM's ``forward`` with ``_fused_forward``, which, called with ``fused_lm_head=True``, runs the
+backbone and scores the tokens through ``ChunkedLogProbFunction``, without the ``[T, V]`` logits. That function
+breaks dynamo's graph twice (its torch fallback calls ``torch.mm(..., out=tile)`` on a non-contiguous tile, and
+loops over token and vocabulary tiles in Python), so a compiled SFTTrainer step ran 3 graphs with 2 breaks.
+
+Routing keeps TRL's own ``_fused_forward`` (its arguments, its shifting of ``labels`` and ``shift_labels``, its MoE
+aux loss, its ``FusedCausalLMOutput``): compilepack copies the function with three of its global loads renamed
+(as it patches transformers' layers, ``compilepack.patching.rebind``):
+
+- ``ChunkedLogProbFunction`` -> :class:`ChunkedLogProb`, the same statistics from compilepack's custom op (one
+  opaque node with a fake and an explicit backward: no break, no recompile as ``T`` changes);
+- ``_use_triton`` -> always False: every position is scored, labels ``-100`` masked after, so shapes never depend
+  on how many labels a batch has (TRL's compact path on CUDA indexes ``hidden[mask]``, a data-dependent shape);
+- ``maybe_gather_lm_head_ctx`` -> a null context (DeepSpeed ZeRO-3 is refused at routing time: its gathered
+  weight would be partitioned again before the op's backward reads it).
+
+When: :func:`compilepack.patch` routes a head it finds on the model (head added first), and wraps TRL's
+``add_fused_lm_head`` (in every imported ``trl`` module that holds it, or, when TRL is imported after ``patch``, as
+``trl.trainer.utils`` is imported) so that a head added to a patched model later is routed as it is added (patch
+first). The wrapper changes nothing for a model compilepack did not patch. ``compilepack.unpatch`` puts TRL's own
+head back. A head left unrouted is never hidden: :func:`compilepack.explain` shows its two breaks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dis
+import functools
+import importlib.abc
+import importlib.util
+import inspect
+import sys
+import types
+
+import torch
+
+from ..errors import CompilepackError, IncompatibleTransformersError
+from ..ops.lm_head import lm_head_logprobs
+from ..patching.api import ModelExtension, is_patched, register_extension
+from ..patching.rebind import private_name, renamed_copy
+
+TRL_UTILS = "trl.trainer.utils"
+# TRL's global name -> the name of compilepack's replacement in this module
+_ROUTES = {
+    "_ChunkedLogProbFunction": "ChunkedLogProb", "_use_triton": "_never", "maybe_gather_lm_head_ctx": "_no_gather",
+}
+_KEY = "trl"
+
+
+class ChunkedLogProb:
+    """Stands in for TRL's ``ChunkedLogProbFunction``: ``apply`` takes its arguments and returns its five per-token
+    outputs (``log_probs``, ``entropy``, ``log_sum_sq_probs``, ``mean_logits``, ``is_top1``; None where not in
+    ``outputs``), computed by ``compilepack::lm_head_logprobs``. TRL's vocabulary tile (``chunk_size``) does not
+    apply: the op tiles tokens, a whole vocabulary row at a time."""
+
+    @staticmethod
+    def apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping=None, logit_scale=1.0,
+              outputs=("log_probs",)):
+        stats = lm_head_logprobs(
+            hidden, weight, bias, targets, logit_scale=logit_scale, softcap=final_logit_softcapping,
+            temperature=temperature, stats=tuple(name for name in outputs if name != "log_probs"),
+        )
+        return stats.log_probs, stats.entropy, stats.log_sum_sq_probs, stats.mean_logits, stats.is_top1
+
+
+def _never(device) -> bool:
+    return False
+
+
+def _no_gather(*params):
+    return contextlib.nullcontext()
+
+
+class RoutedFusedHead:
+    """The instance ``forward`` of a causal LM whose TRL fused head compilepack routed: TRL's ``_fused_forward``
+    with compilepack's op, bound to the model. Same call and ``inspect.signature`` as TRL's head; ``trl_forward`` is
+    TRL's own, which :func:`unroute` puts back."""
+
+    __slots__ = ("function", "module", "trl_forward")
+
+    def __init__(self, function, module: torch.nn.Module, trl_forward):
+        self.function, self.module, self.trl_forward = function, module, trl_forward
+
+    def __call__(self, *args, **kwargs):
+        return self.function(self.module, *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.trl_forward)
+
+    @property
+    def __wrapped__(self):
+        return self.trl_forward
+
+    def __reduce__(self):
+        # TRL's head is a closure over this very model (its non-fused path calls the forward it replaced): a copy
+        # would call the original model, and pickle restores only the class's forward. Neither is silently allowed.
+        raise CompilepackError(
+            f"cannot pickle or copy {type(self.module).__name__} while it carries TRL's fused LM head (routed by "
+            "compilepack): TRL's head is a closure over the original model, so a copy would silently run the "
+            "original. Save weights with save_pretrained()/state_dict(), or copy the model before the trainer adds "
+            "its head (then compilepack.patch the copy)."
+        )
+
+    def __repr__(self) -> str:
+        return f"<TRL fused LM head of {type(self.module).__name__}, routed to compilepack::lm_head_logprobs>"
+
+
+def is_trl_head(forward) -> bool:
+    """Whether ``forward`` (a module's instance ``forward``) is TRL's fused head, as ``add_fused_lm_head`` binds it."""
+    function = getattr(forward, "__func__", None)
+    trl_utils = sys.modules.get(TRL_UTILS)
+    if trl_utils is None or not isinstance(forward, types.MethodType) or not isinstance(function, types.FunctionType):
+        return False
+    return function.__globals__ is trl_utils.__dict__ and function.__code__ in _head_codes(trl_utils)
+
+
+def route(module: torch.nn.Module) -> bool:
+    """Route TRL's fused head on ``module`` (its instance ``forward``) to compilepack's op; True if it did.
+
+    Raises:
+        IncompatibleTransformersError: this TRL's head no longer loads the globals compilepack renames.
+        CompilepackError: DeepSpeed ZeRO-3 is enabled.
+    """
+    forward = module.__dict__.get("forward")
+    if not is_trl_head(forward):
+        return False
+    _refuse_zero3()
+    trl_utils = sys.modules[TRL_UTILS]
+    function = forward.__func__
+    renames = _install(trl_utils, function)
+    routed = renamed_copy(function, renames)  # TRL's head itself: what it wraps is the model's own forward
+    module.forward = RoutedFusedHead(routed, module, forward)
+    return True
+
+
+def unroute(module: torch.nn.Module) -> bool:
+    """Put TRL's own fused head back on ``module``; True if it carried a routed one."""
+    forward = module.__dict__.get("forward")
+    if not isinstance(forward, RoutedFusedHead):
+        return False
+    module.forward = forward.trl_forward
+    return True
+
+
+def route_all(model: torch.nn.Module) -> int:
+    """Route every TRL fused head within ``model`` (a PEFT wrapper's base model included); returns how many."""
+    return sum(route(module) for module in model.modules())
+
+
+def unroute_all(model: torch.nn.Module) -> int:
+    return sum(unroute(module) for module in model.modules())
+
+
+def hook_add_fused_lm_head() -> bool:
+    """Wrap TRL's ``add_fused_lm_head`` (in ``trl.trainer.utils`` and every imported ``trl`` module that imported
+    it by name: ``sft_trainer``, ``grpo_trainer``, ...) so that a head added to a compilepack-patched model is routed
+    as it is added. Idempotent. While TRL is not imported yet, the wrap is made as ``trl.trainer.utils`` is imported
+    (before any trainer module imports the function from it). Returns whether the hook is in place now."""
+    trl_utils = sys.modules.get(TRL_UTILS)
+    if trl_utils is None:
+        if not any(isinstance(finder, _HookOnImport) for finder in sys.meta_path):
+            sys.meta_path.insert(0, _HookOnImport())
+        return False
+    original = trl_utils.add_fused_lm_head
+    original = getattr(original, "__compilepack_original__", original)
+    hooked = _hooked(original)
+    for name, module in list(sys.modules.items()):
+        if (name == "trl" or name.startswith("trl.")) and getattr(module, "add_fused_lm_head", None) is original:
+            module.add_fused_lm_head = hooked
+    return True
+
+
+class _HookOnImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: when ``trl.trainer.utils`` is imported, it wraps the loader so that
+    :func:`hook_add_fused_lm_head` runs right after the module's code, then leaves ``sys.meta_path``."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != TRL_UTILS:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _HookingLoader(spec.loader)
+        return spec
+
+
+class _HookingLoader(importlib.abc.Loader):
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        hook_add_fused_lm_head()
+
+    def __getattr__(self, name):  # get_source, get_filename, ...: the wrapped loader's
+        return getattr(self.loader, name)
+
+
+@functools.cache
+def _hooked(original):
+    @functools.wraps(original)
+    def add_fused_lm_head(model, *args, **kwargs):
+        result = original(model, *args, **kwargs)
+        _route_added(model, original, args, kwargs)
+        return result
+
+    add_fused_lm_head.__compilepack_original__ = original
+    return add_fused_lm_head
+
+
+def _route_added(model, original, args, kwargs) -> None:
+    """After TRL added its head to ``model``: route it if compilepack patched the model. A compiled model
+    (``torch.compile(patched)`` handed to the trainer) got the head on its ``OptimizedModule``, whose own forward
+    would then bypass the compiled code: the head moves to the model inside, which the compiled code calls."""
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
+        inner = model._orig_mod
+        if is_patched(inner):
+            # the compiled forward TRL replaced comes back (TRL's head kept it as the forward it wraps)
+            model.forward = _replaced_forward(model.__dict__["forward"])
+            original(inner, *args, **kwargs)
+            route(inner)
+    elif is_patched(model):
+        route(model)
+
+
+def _replaced_forward(head):
+    """The forward TRL's head replaced (the ``original_forward`` it closes over)."""
+    return inspect.getclosurevars(head.__func__).nonlocals["original_forward"]
+
+
+def _install(trl_utils: types.ModuleType, function) -> dict[str, str]:
+    loaded = {i.argval for i in dis.get_instructions(function.__code__) if i.opname == "LOAD_GLOBAL"}
+    missing = sorted(set(_ROUTES) - loaded)
+    if missing:
+        import trl
+
+        raise IncompatibleTransformersError(
+            f"cannot route TRL {trl.__version__}'s fused LM head: its _fused_forward no longer loads {missing}. "
+            "compilepack routes TRL 1.16's head; pin trl==1.16 or remove the head's routing by leaving the model "
+            "unpatched until this TRL is supported."
+        )
+    renames = {}
+    for name, ours in _ROUTES.items():
+        renames[name] = private_name(_KEY, name)
+        trl_utils.__dict__[renames[name]] = globals()[ours]
+    return renames
+
+
+def _head_codes(trl_utils: types.ModuleType) -> tuple[types.CodeType, ...]:
+    """The code objects of ``_fused_forward`` nested in TRL's ``add_fused_lm_head`` (whatever wraps it)."""
+    adder = trl_utils.add_fused_lm_head
+    adder = getattr(adder, "__compilepack_original__", adder)
+    return tuple(c for c in adder.__code__.co_consts if isinstance(c, types.CodeType) and c.co_name == "_fused_forward")
+
+
+def _refuse_zero3() -> None:
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    if is_deepspeed_zero3_enabled():
+        raise CompilepackError(
+            "cannot route TRL's fused LM head under DeepSpeed ZeRO-3: the gathered lm_head weight is partitioned "
+            "again before compilepack's op recomputes the logits in the backward. Use FSDP2 (fully_shard), ZeRO-2, "
+            "or leave the model unpatched."
+        )
+
+
+def _route_now_and_later(model: torch.nn.Module, **options) -> None:
+    hook_add_fused_lm_head()  # a head a TRL trainer adds later is routed as it is added
+    route_all(model)  # a head it already added is routed now
+
+
+register_extension(ModelExtension("TRL fused LM head", install=_route_now_and_later, remove=unroute_all))
