@@ -21,8 +21,8 @@ from benchmarks.rounds import round_order, run_family, warm_up_in_lanes
 from benchmarks.worker import ModeSpec, measure_mode, summarize_rounds
 from benchmarks.__main__ import main
 import compilepack
-from compilepack import cli
 from compilepack.patching import family_named
+from tests.bench_helpers import FakeWorker, result_of
 from tests.families import tiny_config
 
 TINY = modes.Workload(tokens_per_step=256, steps=2)
@@ -139,39 +139,6 @@ def test_round_robin_visits_every_mode_once_per_round_and_rotates():
     assert orders[1] == ["b", "c", "d", "e", "a"]
 
 
-class FakeWorker:
-    """Records the driver's calls; fails where told."""
-
-    def __init__(self, mode, calls, fail_ready=False, fail_round=None, round_steps=None):
-        self.spec, self.result, self.calls = mode, {"mode": mode, "error": None}, calls
-        self.fail_ready, self.fail_round, self.round_steps = fail_ready, fail_round, round_steps
-
-    def start(self):
-        self.calls.append(("start", self.spec))
-
-    def await_ready(self, timeout_s):
-        self.calls.append(("ready", self.spec))
-        if self.fail_ready:
-            self.result["error"] = "ValueError: refused"
-        if self.round_steps:
-            self.result["round_steps"] = self.round_steps
-        return not self.fail_ready
-
-    def run_round(self, index, position, timeout_s, part=None):
-        self.calls.append(("round", index, position, self.spec) + ((part,) if self.round_steps else ()))
-        if index == self.fail_round:
-            self.result["error"] = "TimeoutError: did not finish round 2"
-            return False
-        return True
-
-    def finish(self, timeout_s):
-        self.calls.append(("finish", self.spec))
-        return self.result
-
-    def stop(self):
-        pass
-
-
 def test_driver_warms_every_worker_before_any_round_and_skips_ended_modes():
     calls = []
     workers = {m: FakeWorker(m, calls, fail_ready=m == "b", fail_round=1 if m == "c" else None) for m in "abcd"}
@@ -261,14 +228,8 @@ def test_warm_workers_run_their_rounds_in_turn(isolation, tmp_path):
 # ------------------------------------------------------------------------------------------------ paired ratios
 
 
-def _result(mode, per_round, family="llama", compiled=()):
-    timed = [{"round": r, "position": 0, "tokens": 1000, "seconds": 1000 / tps, "load_avg": 1.0,
-              "compiled": r in compiled} for r, tps in enumerate(per_round) if tps]
-    return {"family": family, "mode": mode, "error": None, **summarize_rounds(timed)}
-
-
 def test_summary_is_the_median_of_rounds_without_compiles():
-    result = _result("patched_packed_compiled", [100, 400, 300, 200], compiled={0})
+    result = result_of("patched_packed_compiled", [100, 400, 300, 200], compiled={0})
     assert (result["tokens_per_s"], result["tokens_per_s_min"], result["tokens_per_s_max"]) == (300, 200, 400)
     assert not result["steady"]
     grouped = summarize_rounds([{"round": 0, "position": 1, "tokens": t, "seconds": s, "load_avg": 0.5,
@@ -278,8 +239,8 @@ def test_summary_is_the_median_of_rounds_without_compiles():
 
 def test_the_compile_bar_compares_cpu_seconds_when_both_compiles_have_them():
     def compile_bar(patched: dict, stock: dict) -> dict:
-        results = [dict(_result("patched_packed_compiled", [1000]), **patched),
-                   dict(_result("stock_grouped_compiled", [1000]), **stock)]
+        results = [dict(result_of("patched_packed_compiled", [1000]), **patched),
+                   dict(result_of("stock_grouped_compiled", [1000]), **stock)]
         return next(b for b in bars.evaluate(results) if b["bar"].startswith("patched compile time"))
 
     # the patched compile shared the cores longer (wall 60 s against 40 s) but used less CPU: met on CPU seconds
@@ -302,19 +263,19 @@ def test_compile_cpu_seconds_are_the_first_step_beyond_its_tokens_at_the_steady_
 
 def test_paired_ratios_divide_round_by_round():
     # medians alone would say 2.0; the pairs say 1.5, 3, 2: a slow round slows both sides
-    patched = _result("patched_packed_eager", [300, 600, 800])
-    padded = _result("stock_padded_eager", [200, 200, 400])
+    patched = result_of("patched_packed_eager", [300, 600, 800])
+    padded = result_of("stock_padded_eager", [200, 200, 400])
     assert bars.paired_ratios(patched, padded) == [1.5, 3.0, 2.0]
     # only rounds both measured, only rounds that did not compile
-    partial = _result("stock_padded_eager", [200, 0, 400])
-    compiled = _result("patched_packed_compiled", [900, 600, 800], compiled={0})
+    partial = result_of("stock_padded_eager", [200, 0, 400])
+    compiled = result_of("patched_packed_compiled", [900, 600, 800], compiled={0})
     assert bars.paired_ratios(compiled, partial) == [2.0]
 
 
 def test_a_bar_whose_rounds_straddle_the_target_is_not_decided():
     def grouped(patched: list[float]) -> dict:  # a hybrid's grouped bar: decided in every round
-        return next(b for b in bars.evaluate([_result("patched_packed_eager", patched, family="bamba"),
-                                              _result("stock_grouped_eager", [1000, 1000, 1000], family="bamba")])
+        return next(b for b in bars.evaluate([result_of("patched_packed_eager", patched, family="bamba"),
+                                              result_of("stock_grouped_eager", [1000, 1000, 1000], family="bamba")])
                     if "grouped" in b["bar"])
 
     entry = grouped([1200, 1100, 1000])
@@ -336,9 +297,9 @@ def test_status_rule_at_the_edges():
 
 
 def test_patched_packed_is_the_better_median_and_its_own_rounds_are_paired():
-    results = [_result("stock_padded_eager", [100, 100, 50]),
-               _result("patched_packed_eager", [450, 600, 400]),
-               _result("patched_packed_compiled", [700, 400, 300])]  # median 400 < eager's 450
+    results = [result_of("stock_padded_eager", [100, 100, 50]),
+               result_of("patched_packed_eager", [450, 600, 400]),
+               result_of("patched_packed_compiled", [700, 400, 300])]  # median 400 < eager's 450
     entry = next(b for b in bars.evaluate(results) if "5x" in b["bar"])
     assert entry["detail"].startswith("patched_packed_eager vs stock_padded_eager")
     assert entry["ratios"] == [4.5, 6.0, 8.0] and entry["status"] == "not decided" and entry["value"] == 6.0
@@ -349,15 +310,15 @@ def test_patched_packed_is_the_better_median_and_its_own_rounds_are_paired():
 
 def test_the_grouped_bar_is_patched_compiled_even_where_eager_has_the_higher_median():
     # eager's median (1200) beats compiled's (1160), and eager's rounds all clear 1.15; compiled's second does not
-    results = [_result("stock_grouped_eager", [1000, 1000, 1000], family="qwen3_next"),
-               _result("patched_packed_eager", [1200, 1200, 1200], family="qwen3_next"),
-               _result("patched_packed_compiled", [1300, 1100, 1160], family="qwen3_next")]
+    results = [result_of("stock_grouped_eager", [1000, 1000, 1000], family="qwen3_next"),
+               result_of("patched_packed_eager", [1200, 1200, 1200], family="qwen3_next"),
+               result_of("patched_packed_compiled", [1300, 1100, 1160], family="qwen3_next")]
     grouped = next(b for b in bars.evaluate(results) if b["bar"].endswith("stock grouped by length"))
     assert grouped["bar"] == "patched compiled >= 1.15x stock grouped by length"
     assert grouped["detail"].startswith("patched_packed_compiled vs stock_grouped_eager")
     assert grouped["ratios"] == [1.3, 1.1, 1.16] and grouped["status"] == "not decided"
     # a compiled mode that failed leaves the bar n/a with its error, never decided by the eager mode instead
-    failed = dict(_result("patched_packed_compiled", [], family="qwen3_next"), error="InductorError: boom")
+    failed = dict(result_of("patched_packed_compiled", [], family="qwen3_next"), error="InductorError: boom")
     grouped = next(b for b in bars.evaluate(results[:2] + [failed]) if b["bar"].endswith("stock grouped by length"))
     assert grouped["status"] == "n/a" and "InductorError: boom" in grouped["detail"]
     # a run without the compiled mode says which mode its bar is
@@ -366,8 +327,8 @@ def test_the_grouped_bar_is_patched_compiled_even_where_eager_has_the_higher_med
 
 
 def _grouped_bar(family: str, patched: list[float], mode: str = "patched_packed_compiled") -> dict:
-    results = [_result("stock_grouped_eager", [1000] * len(patched), family=family),
-               _result(mode, patched, family=family)]
+    results = [result_of("stock_grouped_eager", [1000] * len(patched), family=family),
+               result_of(mode, patched, family=family)]
     return next(b for b in bars.evaluate(results) if b["bar"].endswith("stock grouped by length"))
 
 
@@ -404,9 +365,9 @@ def test_the_grouped_rule_is_the_family_declaration_not_its_name():
 
 def test_llama_also_needs_1_15x_stock_compiled_grouped_in_every_round():
     def llama_bars(compiled: list[float]) -> dict[str, dict]:
-        results = [_result("stock_grouped_eager", [1000, 1000, 1000]),
-                   _result("stock_grouped_compiled", [1000, 1000, 1000]),
-                   _result("patched_packed_compiled", compiled)]
+        results = [result_of("stock_grouped_eager", [1000, 1000, 1000]),
+                   result_of("stock_grouped_compiled", [1000, 1000, 1000]),
+                   result_of("patched_packed_compiled", compiled)]
         return {b["bar"]: b for b in bars.evaluate(results)}
 
     entries = llama_bars([1200, 1300, 1100])
@@ -419,7 +380,7 @@ def test_llama_also_needs_1_15x_stock_compiled_grouped_in_every_round():
 
 
 def test_a_missing_mode_makes_its_bars_not_applicable():
-    entries = bars.evaluate([_result("patched_packed_eager", [500, 500])])
+    entries = bars.evaluate([result_of("patched_packed_eager", [500, 500])])
     grouped = next(b for b in entries if "grouped" in b["bar"])
     assert grouped["status"] == "n/a" and grouped["met"] is None and "stock_grouped_eager not run" in grouped["detail"]
 
@@ -533,231 +494,3 @@ def test_without_matplotlib_the_run_skips_the_plot_warns_and_exits_0(tmp_path, m
     assert "pip install matplotlib" in printed and "no .png" in printed
     (json_path,) = tmp_path.glob("cpu-*.json")
     assert json_path.with_suffix(".md").exists() and not json_path.with_suffix(".png").exists()
-
-
-# ------------------------------------------------------------------------------------------------ real widths
-
-
-def test_real_width_configs_are_their_checkpoints_widths_at_one_layer_of_each_kind():
-    import torch
-    import transformers
-
-    import compilepack
-    from benchmarks.configs import bench_config
-    from benchmarks.main import resolve_families
-
-    expected = {  # family: (hidden, vocabulary, layer kinds, parameters in millions)
-        "llama": (2048, 128256, 1, 323), "qwen3_next": (2048, 151936, 2, 746),
-        "qwen3_5": (1024, 248320, 2, 294), "bamba": (4096, 128256, 2, 1547),
-    }
-    declared = [family.name for family in compilepack.families() if family.checkpoint is not None]
-    assert sorted(declared) == sorted(expected) == sorted(resolve_families("all", "real"))
-    for family, (hidden, vocab, layers, params_m) in expected.items():
-        config = bench_config(family, "real")
-        assert (config.hidden_size, config.vocab_size, config.num_hidden_layers) == (hidden, vocab, layers)
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config)
-        assert round(sum(p.numel() for p in model.parameters()) / 1e6) == params_m, family
-    with pytest.raises(SystemExit, match="--widths real: no config for mamba2"):
-        resolve_families("llama,mamba2", "real")
-
-
-def test_time_split_covers_the_step_and_flops_count_documents_apart(tmp_path):
-    from benchmarks import split
-
-    spec = ModeSpec("llama", "patched_packed_eager", TINY, config=tiny_config(family_named("llama")),
-                    time_split=True)
-    result = measure_mode(spec)
-    parts = result["time_split"]
-    assert all(parts[k] > 0 for k in ("mixers", "mlp", "lm_head", "optimizer")), parts
-    assert sum(parts[k] for k in split.CATEGORIES) == pytest.approx(parts["total"], abs=2e-3)
-    assert result["model_gflops_per_s"] > 0 and all(step["model_flops"] > 0 for step in result["timed"])
-    # attention FLOPs are per document: two documents of 64 cost half of one of 128 (a padded or mixed count would not)
-    model = measure_module_model("llama")
-    assert split.attention_flops(model, [64, 64]) * 2 == split.attention_flops(model, [128])
-    assert split.step_flops(model, [128]) - split.attention_flops(model, [128]) == 128 * split.linear_flops_per_token(model)
-
-
-def measure_module_model(family):
-    from benchmarks.worker import build_model
-
-    return build_model(family_named(family), tiny_config(family_named(family)), seed=0)
-
-
-def test_patched_rounds_repeat_their_arrival_step_unless_nothing_is_interleaved(tmp_path):
-    """Interleaved with the grouped mode's 3 steps, a patched round trains 3 times on its arrival step; one mode at a
-    time (real widths: 10-60 s steps) once, and the report says so."""
-    patched, grouped = modes.mode_named("patched_packed_eager"), modes.mode_named("stock_grouped_eager")
-    assert [len(r) for r in patched.batches(TINY)[1]] == [len(r) for r in grouped.batches(TINY)[1]] == [3, 3]
-    alone = modes.Workload(tokens_per_step=256, steps=2, patched_repeats=1)
-    assert [len(r) for r in patched.batches(alone)[1]] == [1, 1]
-    assert [len(r) for r in modes.mode_named("stock_packed").batches(TINY)[1]] == [1, 1]
-    argv = ["train", "--model", "llama", "--modes", "patched_packed_eager", "--tokens-per-step", "256", "--steps",
-            "1", "--warmup", "one-at-a-time", "--no-progress", "--no-plot", "--out", str(tmp_path)]
-    assert main(argv) == 0
-    (json_path,) = tmp_path.glob("cpu-*.json")
-    written = json.loads(json_path.read_text())
-    assert written["results"][0]["round_steps"] == [1]
-    assert written["settings"]["interleaved"] == "one mode at a time"
-    assert written["settings"]["patched_steps_per_round"] == 1
-
-
-def test_one_at_a_time_finishes_each_mode_before_the_next_starts():
-    calls = []
-    workers = {m: FakeWorker(m, calls, fail_round=1 if m == "a" else None) for m in "ab"}
-    results = run_family(workers, rounds=2, warmup_timeout_s=1, step_timeout_s=1, one_at_a_time=True)
-    assert [r["mode"] for r in results] == ["a", "b"]
-    assert calls == [("start", "a"), ("ready", "a"), ("round", 0, 0, "a"), ("round", 1, 0, "a"), ("finish", "a"),
-                     ("start", "b"), ("ready", "b"), ("round", 0, 0, "b"), ("round", 1, 0, "b"), ("finish", "b")]
-
-
-def test_long_rows_batches_the_same_documents_each_mode_its_way():
-    from benchmarks import long_rows
-
-    docs = long_rows.equal_documents(512, 128)
-    assert [len(doc) for doc in docs] == [128] * 4
-    workload = modes.Workload(tokens_per_step=512, steps=2)
-    _, grouped = modes.mode_named("stock_grouped_eager").batches_of(docs, workload)
-    _, packed = modes.mode_named("patched_packed_eager").batches_of(docs, workload)
-    assert len(grouped) == len(packed) == 2  # one round per timed step, the same documents in each
-    assert grouped[0][0].tensors["input_ids"].shape == (4, 128)  # equal documents: no padding at all
-    assert packed[1][0].tensors["input_ids"].shape == (1, 512) and packed[1][0].docs == docs
-    mix = long_rows.mixed_documents(2048)
-    assert sum(map(len, mix)) <= 2048 and len(set(map(len, mix))) > 5
-    with pytest.raises(SystemExit, match="not a multiple of --doc-len 100"):
-        long_rows.equal_documents(512, 100)
-
-
-def test_the_default_reports_a_known_stock_compile_failure_without_running_it():
-    spec = ModeSpec("qwen3_5", "stock_grouped_compiled", TINY, config=tiny_config(family_named("qwen3_5")),
-                    skip_known_failures=True)
-    result = measure_mode(spec)
-    assert result["error"].startswith("RuntimeError: not run: stock torch.compile fails in inductor for qwen3_5")
-    assert "InductorError" in result["error"] and result["tokens_per_s"] is None
-    entries = bars.evaluate([result, _result("patched_packed_compiled", [500, 500], family="qwen3_5")])
-    compiled = next(b for b in entries if b["bar"] == "patched compiled >= 1.15x stock compiled grouped")
-    assert compiled["status"] == "n/a" and "InductorError" in compiled["detail"]
-
-
-MEASURE_PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "measure.py"
-
-
-def test_keep_freed_memory_stops_the_page_faults_of_large_blocks():
-    """glibc mmaps every block over its threshold (32 MB at most) and unmaps it when freed; kept, the second
-    allocation of the same size reuses the heap: few page faults instead of one per 4 KB page. Run in a fresh
-    process, so this test's process keeps its own allocator."""
-    import subprocess
-
-    script = (
-        "import importlib.util, resource, torch\n"
-        # the module alone, not the compilepack package (whose import of transformers costs seconds)
-        f"spec = importlib.util.spec_from_file_location('measure', {str(MEASURE_PATH)!r})\n"
-        "measure = importlib.util.module_from_spec(spec); spec.loader.exec_module(measure)\n"
-        "def faults():\n"
-        "    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
-        "    for _ in range(4): torch.ones(64 * 2**20 // 4)  # 64 MB, freed at once\n"
-        "    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before\n"
-        "system = faults()\n"
-        "assert measure.keep_freed_memory()\n"
-        "for _ in range(4): faults()\n"  # the first kept blocks grow the heap (the aligned blocks split it)
-        "print(system, faults())\n"
-    )
-    system, kept = map(int, subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                                           check=True).stdout.split())
-    assert system > 4 * 16000 * 0.9  # every 4 KB page of each 64 MB block faulted again
-    assert kept < system / 20
-
-
-# ------------------------------------------------------------------------------------------------ results folder
-
-
-def test_keep_latest_removes_the_older_runs_of_the_written_kind_only(tmp_path):
-    names = ["cpu-2026-12-01-1750.json", "cpu-2026-12-01-1750.md", "cpu-2026-12-01-1750.png", "cpu-2026-12-02.json",
-             "cpu-2026-12-03.json", "cpu-real-2026-12-01.json", "long-rows-cpu-2026-12-01.md", "history.csv",
-             "notes.md"]
-    for name in names:
-        (tmp_path / name).write_text("{}")
-    removed = history.keep_latest(tmp_path, "cpu-2026-12-02")
-    assert removed == ["cpu-2026-12-01-1750.json", "cpu-2026-12-01-1750.md", "cpu-2026-12-01-1750.png"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(set(names) - set(removed))  # a later run stays
-
-
-def test_history_rows_of_a_long_rows_sweep_and_an_op_run():
-    figures = lambda tps: {"tokens_per_s": tps, "peak_mem_mb": 1.0, "error": None}  # noqa: E731
-    sweep = {"date": "2026-12-01T19:10:54", "torch": "2.13.0", "transformers": "5.24.0",
-             "settings": {"doc_len": 256}, "points": [
-                 {"family": "qwen3_5", "tokens": 4096, "row": 4096, "documents": "equal", "speedup": 1.15,
-                  "modes": {"patched_packed_eager": figures(4740.1), "stock_grouped_eager": figures(4124.7)}},
-                 {"family": "qwen3_5", "tokens": 3949, "row": 4096, "documents": "mix", "speedup": 4.74,
-                  "modes": {"patched_packed_eager": figures(4566.0), "stock_padded_eager": figures(960.0)}},
-                 {"family": "qwen3_5", "tokens": 16384, "documents": "mix", "skipped": "above --padded-max"}]}
-    rows = history.rows(sweep, "long-rows-cpu-2026-12-01.json", commit="abc1234")
-    assert [(r["kind"], r["mode"], r["tokens"], r["documents"], r["tokens_per_s"], r["vs_stock_grouped_eager"])
-            for r in rows] == [
-        ("long-rows-cpu", "patched_packed_eager", 4096, "equal 256", 4740.1, 1.15),
-        ("long-rows-cpu", "stock_grouped_eager", 4096, "equal 256", 4124.7, 1.0),
-        ("long-rows-cpu", "patched_packed_eager", 4096, "mix", 4566.0, ""),  # against stock padded: no grouped ratio
-        ("long-rows-cpu", "stock_padded_eager", 4096, "mix", 960.0, "")]
-    assert {(r["commit"], r["date"], r["family"], r["file"]) for r in rows} == {
-        ("abc1234", "2026-12-01T19:10:54", "qwen3_5", "long-rows-cpu-2026-12-01.json")}
-    ops = {"device": "cpu", "date": "2026-11-29T16:43:15", "settings": {"T": 2048, "n_docs": 16}, "results": [
-        {"op": "attention", "fwd+bwd": {"stock_ms": 200.0, "packed_ms": 40.0, "speedup": 5.0},
-         "batched": {"fwd+bwd": {"stock_ms": 50.0, "packed_ms": 40.0, "speedup": 1.3}}},
-        {"op": "mamba2", "error": "ValueError: boom"}]}
-    rows = history.rows(ops, "ops-cpu-2026-11-29.json", commit="")
-    assert [(r["kind"], r["family"], r["mode"], r["documents"], r["tokens_per_s"], r["vs_stock_grouped_eager"])
-            for r in rows] == [
-        ("ops-cpu", "attention", "stock", "16 random-length", 10240.0, ""),  # 2048 tokens in 200 ms
-        ("ops-cpu", "attention", "packed", "16 random-length", 51200.0, ""),
-        ("ops-cpu", "attention", "stock_batched", "16 equal-length", 40960.0, 1.0),
-        ("ops-cpu", "attention", "packed", "16 equal-length", 51200.0, 1.3)]  # the per-repeat median, as reported
-
-
-def test_a_long_rows_sweep_appends_its_rows_and_keeps_only_the_latest_sweep(tmp_path):
-    from benchmarks import long_rows
-
-    (tmp_path / "long-rows-cpu-2026-01-01.json").write_text("{}")
-    sweep = {"date": "2026-12-01T19:10:54", "torch": "2.13.0", "transformers": "5.24.0", "wall_s": 1.0,
-             "load_avg": {"start": 1.0, "end": 1.0},
-             "settings": {"widths": "bench", "steps": 2, "allocator": "keep", "threads": 1, "doc_len": 256},
-             "points": [{"family": "qwen3_5", "tokens": 512, "row": 512, "documents": "equal", "n_docs": 2,
-                         "speedup": 1.1, "speedup_range": [1.0, 1.2], "modes": {
-                             mode: {"tokens_per_s": 100.0, "tokens_per_s_min": 90.0, "tokens_per_s_max": 110.0,
-                                    "peak_mem_mb": 1.0, "padding_frac": 0.0}
-                             for mode in ("patched_packed_eager", "stock_grouped_eager")}}]}
-    long_rows.write(sweep, tmp_path, "long-rows-cpu-2026-12-01", can_plot=False)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "history.csv", "long-rows-cpu-2026-12-01.json", "long-rows-cpu-2026-12-01.md"]
-    with (tmp_path / "history.csv").open() as handle:
-        rows = list(csv.DictReader(handle))
-    assert [(r["kind"], r["mode"], r["vs_stock_grouped_eager"]) for r in rows] == [
-        ("long-rows-cpu", "patched_packed_eager", "1.1"), ("long-rows-cpu", "stock_grouped_eager", "1.0")]
-
-
-# ------------------------------------------------------------------------------------------------ entry points
-
-
-def test_compilepack_bench_is_a_deprecated_pointer_to_python_m_benchmarks(tmp_path, monkeypatch, capsys):
-    """From a checkout, ``python -m compilepack bench`` says the new command in one line and runs it with the same
-    options (a child process: the library does not import its benchmark); from an installed wheel, which has no
-    benchmarks/ folder beside the package, it says where the benchmark lives and exits 2."""
-    import subprocess
-
-    done = subprocess.run([sys.executable, "-m", "compilepack", "bench", "--help"], capture_output=True, text=True,
-                          cwd=tmp_path, check=True)
-    assert done.stderr.strip().splitlines() == [
-        "compilepack bench is deprecated: run `python -m benchmarks` from the checkout (same options)."]
-    assert done.stdout.startswith("usage: python -m benchmarks") and "--widths" in done.stdout
-    monkeypatch.setattr(cli, "CHECKOUT", tmp_path)  # as installed: no benchmarks/ beside the package
-    assert cli.main(["bench", "--model", "llama"]) == 2
-    assert "benchmarks/ folder of the compilepack repository" in capsys.readouterr().err
-
-
-def test_python_m_benchmarks_runs_each_command_and_names_them(capsys):
-    from benchmarks import __main__ as entry
-
-    assert entry.main(["--help"]) == 0
-    listed = capsys.readouterr().out
-    assert all(f"  {name}" in listed for name in entry.COMMANDS)
-    for name, (module, _) in entry.COMMANDS.items():
-        assert callable(__import__(module, fromlist=["main"]).main), name
