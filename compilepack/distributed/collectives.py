@@ -1,10 +1,18 @@
-"""The all-to-alls of Ulysses context parallelism: a token shard of every row <-> a head shard of whole rows.
+"""The collectives of context parallelism.
+
+Ulysses: the all-to-alls between a token shard of every row and a head shard of whole rows. Over tokens: the send
+of a few tokens or a small state to the next rank (:func:`send_forward`, a halo or a state pass) and the all-gather
+of keys and values (:func:`gather_tokens`).
 
 Layout of a shard: ``[R, T_local, heads, ...]`` (tokens first, as transformers' projections are). Rank ``j`` of the
-group holds tokens ``j * T_local : (j + 1) * T_local`` of every row. Only activations travel, through the functional
-collective ``all_to_all_single``, which ``torch.compile(fullgraph=True)`` keeps in the graph and whose backward is
-the reverse all-to-all. ``cp`` is a :class:`~compilepack.distributed.ContextParallel` (its ``group``, ``size`` and
-``rank``).
+group holds tokens ``j * T_local : (j + 1) * T_local`` of every row. Only activations travel, through functional
+collectives (``all_to_all_single``, ``all_gather_single``), which ``torch.compile(fullgraph=True)`` keeps in the
+graph and whose backward torch provides (the reverse all-to-all; a reduce-scatter). ``cp`` is a
+:class:`~compilepack.distributed.ContextParallel` (its ``group``, ``size`` and ``rank``).
+
+Every rank issues the same collectives in the same order with the same shapes, whatever its data: a send to the
+next rank is a cyclic shift (the first ranks receive the last ranks' data, which the caller masks out), so no rank's
+result is empty or constant, and the compiled backward of every rank runs the same collectives in the same order.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ def head_split(heads: int, read_heads: int, size: int, where: str, heads_name: s
         raise ContextParallelError(
             f"{where}: {heads_name}={heads} does not divide by the context-parallel size {size}; Ulysses splits "
             f"{heads_name} across ranks, so {heads_name} must be a multiple of {size} (use a context-parallel size "
-            "that divides it)."
+            "that divides it, or split the tokens instead: ContextParallel.sequence_parallel or .hybrid)."
         )
     if read_heads % size == 0:
         return read_heads // size
@@ -78,3 +86,32 @@ def all_to_all(send: Tensor, cp) -> Tensor:
     """All-to-all over dim 0 (one entry per rank). The functional collective traces into the graph; its backward
     is the reverse all-to-all."""
     return funcol.wait_tensor(funcol.all_to_all_single(send, None, None, cp.group))
+
+
+def send_forward(x: Tensor, cp, distance: int = 1) -> Tensor:
+    """Cyclic shift over the group: rank ``r`` sends ``x`` to rank ``(r + distance) % W`` and returns what rank
+    ``(r - distance) % W`` sent (the first ``distance`` ranks receive the last ranks' ``x``: callers mask it). One
+    all-to-all with one nonzero split each way: ``x.numel()`` elements leave each rank; the backward is the reverse
+    shift."""
+    size = x.numel()
+    sends = [size if j == (cp.rank + distance) % cp.size else 0 for j in range(cp.size)]
+    receives = [size if j == (cp.rank - distance) % cp.size else 0 for j in range(cp.size)]
+    received = funcol.all_to_all_single(x.reshape(-1), receives, sends, cp.group)
+    return funcol.wait_tensor(received).view(x.shape)
+
+
+def all_gather(x: Tensor, cp, dim: int) -> Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` in rank order; ``(W - 1) x.numel()`` elements leave each rank.
+    The backward is a reduce-scatter (each rank gets the sum of the gradients of its own part)."""
+    return funcol.wait_tensor(funcol.all_gather_single(x.contiguous(), dim, cp.group))
+
+
+def gather_tokens(x: Tensor, cp) -> Tensor:
+    """``[R, T_local, ...]`` token shards of the group -> the whole rows ``[R, T, ...]``."""
+    return all_gather(x, cp, dim=1)
+
+
+def halo(tail: Tensor, cp) -> Tensor:
+    """The last tokens ``[R, n, ...]`` of the previous rank's slice of every row (rank 0 receives the last rank's:
+    the caller masks them out), for a causal conv whose window reaches across the slice start."""
+    return send_forward(tail.contiguous(), cp, 1)

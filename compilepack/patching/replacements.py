@@ -31,11 +31,11 @@ from ..ops import (
     selective_scan_varlen,
     varlen_attention,
 )
-from ..ops.attention.context_parallel import varlen_attention_head_parallel
-from ..ops.causal_conv1d.context_parallel import causal_conv1d_head_parallel
-from ..ops.gated_delta_rule.context_parallel import gated_delta_rule_head_parallel
-from ..ops.kimi_delta_attention.context_parallel import kimi_delta_attention_head_parallel
-from ..ops.mamba2.context_parallel import mamba2_chunk_scan_head_parallel
+from ..ops.attention.context_parallel import varlen_attention_context_parallel
+from ..ops.causal_conv1d.context_parallel import causal_conv1d_context_parallel
+from ..ops.gated_delta_rule.context_parallel import gated_delta_rule_context_parallel
+from ..ops.kimi_delta_attention.context_parallel import kimi_delta_attention_context_parallel
+from ..ops.mamba2.context_parallel import mamba2_chunk_scan_context_parallel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +86,8 @@ def packed_attention(
 
     Only a packed batch (one that carries ``cu_seq_lens_q``: a static fact) runs compilepack's op; every other call
     (padded, unpadded, cached decoding) is the stock function's, with its dropout and attention weights. Under
-    context parallelism the op runs head-parallel over the whole rows (``ops/attention/context_parallel.py``)."""
+    context parallelism the op runs head-parallel over the whole rows, over tokens against the gathered keys, or
+    both (``ops/attention/context_parallel.py``)."""
     cu_seqlens = kwargs.get(CU_SEQLENS_Q)
     if cu_seqlens is None:
         return stock_attention(module, query, key, value, attention_mask, **kwargs)
@@ -98,9 +99,9 @@ def packed_attention(
         causal=getattr(module, "is_causal", True), scale=kwargs.get("scaling"), window=kwargs.get("sliding_window"),
         cu_seqlens_cpu=kwargs.get(HOST_CU_SEQLENS), backend=backend,
     )
-    if context_parallel is not None:  # head-parallel over the whole rows, between two all-to-alls
+    if context_parallel is not None:  # head-parallel over the whole rows, or over tokens (the group's mode)
         check_batch(kwargs, context_parallel, type(module).__name__)
-        out = varlen_attention_head_parallel(
+        out = varlen_attention_context_parallel(
             query, key, value, cu_seqlens, max_seqlen, global_length=kwargs[SEQ_IDX].shape[-1], cp=context_parallel,
             where=type(module).__name__, **options,
         )
@@ -185,9 +186,9 @@ def _make_causal_conv1d(stock: Callable, backends: Backends) -> Callable:
             return stock(hidden_states, weight, bias, activation=activation)
         if cp is None:
             return causal_conv1d_varlen(hidden_states, weight, bias, seq_idx, activation, backend=backends.conv)
-        check_batch(kwargs, cp, "causal conv1d")  # channel-parallel over the whole rows
-        return causal_conv1d_head_parallel(hidden_states, weight, bias, seq_idx, activation, backend=backends.conv,
-                                           cp=cp)
+        check_batch(kwargs, cp, "causal conv1d")  # channel-parallel over the whole rows, or over tokens (a halo)
+        return causal_conv1d_context_parallel(hidden_states, weight, bias, seq_idx, activation, backend=backends.conv,
+                                              cp=cp)
 
     return causal_conv1d_fn
 
@@ -202,12 +203,12 @@ CAUSAL_CONV1D = Replacement(
 
 
 def _delta_rule(
-    global_name: str, varlen: Callable, head_parallel: Callable, what: str, boundaries: str, stock_takes_kwargs: bool,
-    kernels: str,
+    global_name: str, varlen: Callable, context_parallel: Callable, what: str, boundaries: str,
+    stock_takes_kwargs: bool, kernels: str,
 ) -> Replacement:
     """transformers' chunked delta rule ``global_name`` (``query, key, value, g, beta`` and its chunk, state and
     l2norm arguments): the stock function for batches without boundaries, compilepack's op ``varlen`` for those that
-    pass them (as the keyword ``boundaries``), or its ``head_parallel`` wrapper under context parallelism.
+    pass them (as the keyword ``boundaries``), or its ``context_parallel`` wrapper under context parallelism.
     ``stock_takes_kwargs``: the other keywords go to the stock function too."""
 
     def make(stock: Callable, backends: Backends) -> Callable:
@@ -232,8 +233,8 @@ def _delta_rule(
             )
             if cp is None:
                 return varlen(query, key, value, g, beta, cu_seqlens, **options), None
-            check_batch(kwargs, cp, what)  # head-parallel over the whole rows
-            return head_parallel(query, key, value, g, beta, cu_seqlens, cp=cp, where=what, **options), None
+            check_batch(kwargs, cp, what)  # head-parallel over the whole rows, or over tokens (a state pass)
+            return context_parallel(query, key, value, g, beta, cu_seqlens, cp=cp, where=what, **options), None
 
         chunk_delta_rule.__name__ = chunk_delta_rule.__qualname__ = global_name
         return chunk_delta_rule
@@ -244,13 +245,13 @@ def _delta_rule(
 
 # Gated DeltaNet's delta rule; its layers pass the boundaries as ``cu_seqlens``.
 GATED_DELTA_RULE = _delta_rule(
-    "torch_chunk_gated_delta_rule", gated_delta_rule_varlen, gated_delta_rule_head_parallel, "gated delta rule",
+    "torch_chunk_gated_delta_rule", gated_delta_rule_varlen, gated_delta_rule_context_parallel, "gated delta rule",
     CU_SEQLENS, stock_takes_kwargs=False, kernels="delta rule: fla chunk_gated_delta_rule(cu_seqlens)",
 )
 # The KDA kernel of Kimi Linear, given the layer's kwargs; CUDA backend: the gated-delta-rule kind's choice (fla
 # serves both).
 KIMI_DELTA_ATTENTION = _delta_rule(
-    "chunk_kimi_delta_attention", kimi_delta_attention_varlen, kimi_delta_attention_head_parallel,
+    "chunk_kimi_delta_attention", kimi_delta_attention_varlen, kimi_delta_attention_context_parallel,
     "Kimi delta attention", CU_SEQLENS_Q, stock_takes_kwargs=True, kernels="KDA: fla chunk_kda(cu_seqlens)",
 )
 
@@ -274,9 +275,9 @@ def _make_mamba2_chunk_scan(stock: Callable, backends: Backends) -> Callable:
         if z is not None:
             guards.refuse(NotImplementedError, "mamba2_chunk_scan with a gate z is not supported on packed batches yet.")
         scan = mamba2_chunk_scan_varlen
-        if cp is not None:  # head-parallel over the whole rows
+        if cp is not None:  # head-parallel over the whole rows, or over tokens (a state pass)
             check_batch(kwargs, cp, "Mamba2 scan")
-            scan = functools.partial(mamba2_chunk_scan_head_parallel, cp=cp)
+            scan = functools.partial(mamba2_chunk_scan_context_parallel, cp=cp)
         return scan(
             hidden_states, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
             dt_limit=tuple(dt_limit), seq_idx=seq_idx, backend=backends.ssd,

@@ -27,14 +27,14 @@ COMMUNICATION = ["llama", "qwen3_next", "bamba"]  # one family per mixer kind
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory) -> dict:
     checks = [("family_equality", f) for f in FAMILIES] + [("communication", f) for f in COMMUNICATION]
-    checks += [("ops_equality",), ("refusals",), ("compile_check", "llama"), ("ops_compile",)]
+    checks += [("ops_worker.ops_equality",), ("refusals",), ("compile_check", "llama"), ("ops_worker.ops_compile",)]
     return _no_errors(worker.spawn(2, checks, tmp_path_factory.mktemp("cp2")))
 
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory) -> dict:
     checks = [("family_equality", f) for f in FAMILIES] + [("communication", f) for f in COMMUNICATION]
-    checks += [("ops_equality",)]
+    checks += [("ops_worker.ops_equality",)]
     checks += [("fsdp_equality", f) for f in ("llama", "qwen3_5", "bamba")]
     return _no_errors(worker.spawn(4, checks, tmp_path_factory.mktemp("cp4")))
 
@@ -85,7 +85,7 @@ def test_each_op_under_context_parallel_equals_the_op(results, op):
     """Op level: attention (4 query heads over 2 kv heads: split at W=2, replicated at W=4), causal conv1d
     (channels and weight slices), the gated delta rule (2 q/k heads under 4 value heads) and the Mamba2 scan
     (4 heads over 2 groups): output and gradients (inputs, and parameters summed over ranks)."""
-    figures = results["ops_equality"][op]
+    figures = results["ops_worker.ops_equality"][op]
     assert figures["output"] <= OP_TOLERANCE, figures
     assert figures["grads"] <= OP_TOLERANCE, figures
     assert figures["control"] >= 100 * OP_TOLERANCE, figures
@@ -104,7 +104,7 @@ def test_compiled_context_parallel_model_is_one_graph_compiled_once(world2):
 def test_compiled_context_parallel_ops_are_one_graph(world2):
     """The hybrids' ops' CP paths (conv, gated delta rule, Mamba2 scan, all-to-alls included) in one compiled
     function, forward and backward, over 3 row lengths: one graph; compiled == eager."""
-    figures = world2["ops_compile"]
+    figures = world2["ops_worker.ops_compile"]
     assert figures["graphs"] == 1, figures
     assert figures["compiled_vs_eager"] <= 1e-6, figures
 

@@ -15,6 +15,10 @@ The forward also returns the log-sum-exp ``[H, T]`` (saved for the explicit back
 - ``flash_attn.py``: flash-attn 2's varlen kernels (CUDA, ``backend="flash_attn"``);
 - ``torch_varlen.py``: torch's own ``torch.ops.torch_attn._varlen_attn`` (CUDA, ``backend="torch_varlen"``);
 - ``naive.py``: explicit masked softmax per document, the tests' oracle.
+
+``compilepack::varlen_attention_kv``: each document's queries attend its keys from separate boundaries
+(``cu_seqlens_q``, ``cu_seqlens_k``, flash-attn's varlen convention, causal aligned at the bottom right): what context
+parallelism over tokens needs (a rank's queries against the gathered keys, ``context_parallel.py``). Reference path.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from . import flash_attn, reference, torch_varlen
 from .naive import attention_naive
 from .reference import NO_WINDOW
 
-__all__ = ["NO_WINDOW", "attention_naive", "varlen_attention"]
+__all__ = ["NO_WINDOW", "attention_naive", "varlen_attention", "varlen_attention_kv"]
 
 
 def varlen_attention(
@@ -114,4 +118,51 @@ OP = define_op(
     kernels={"flash_attn": flash_attn.PATH, "torch_varlen": torch_varlen.PATH},
     saves_output=True,  # every backward (flash kernels, reference) reads the forward's output
     boundaries=("cu_seqlens", "cu_seqlens_cpu"),
+)
+
+
+def varlen_attention_kv(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+    max_seqlen_k: int, causal: bool = True, scale: float | None = None, window: int | None = None, *,
+    cu_seqlens_q_cpu: Tensor | None = None, cu_seqlens_k_cpu: Tensor | None = None, backend: str = backends.REFERENCE,
+) -> Tensor:
+    """Attention of each document's queries to its keys, with separate boundaries for queries and keys (flash-attn's
+    ``flash_attn_varlen_func`` convention): document ``i`` has queries ``q[cu_seqlens_q[i]:cu_seqlens_q[i+1]]`` and
+    keys/values ``k, v[cu_seqlens_k[i]:cu_seqlens_k[i+1]]``; with ``causal`` the queries are the *last* ``Lq`` of the
+    document's ``Lk`` positions (the mask aligned at the bottom right), so ``Lq <= Lk``.
+
+    Args as :func:`varlen_attention`, with ``k``/``v`` ``[Tk, Hkv, D]``, ``cu_seqlens_q``/``cu_seqlens_k`` ``int32
+    [N+1]`` (the same N documents; empty ones allowed) and their host copies.
+
+    Example::
+
+        q = torch.randn(5, 4, 16); k, v = torch.randn(2, 9, 2, 16).unbind(0)
+        cu_q = torch.tensor([0, 2, 5], dtype=torch.int32)    # two documents: 2 and 3 queries
+        cu_k = torch.tensor([0, 4, 9], dtype=torch.int32)    # ... their last 2 of 4 and 3 of 5 keys
+        out = varlen_attention_kv(q, k, v, cu_q, cu_k, 3, 5)  # [5, 4, 16]
+    """
+    _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_q_cpu)
+    _check_inputs(q, k, v, cu_seqlens_k, cu_seqlens_k_cpu)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    window_left = NO_WINDOW if window is None else int(window) - 1
+    q, k, v, value_dim = _common_head_dim(q, k, v)
+    out, _lse = OP_KV(q, k, v, cu_seqlens_q, cu_seqlens_q_cpu, cu_seqlens_k, cu_seqlens_k_cpu, max_seqlen_q,
+                      max_seqlen_k, bool(causal), scale, window_left, backend)
+    return out[..., :value_dim]
+
+
+def _kv_signature(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_q_cpu: Tensor | None, cu_seqlens_k: Tensor,
+    cu_seqlens_k_cpu: Tensor | None, max_seqlen_q: int, max_seqlen_k: int, causal: bool, scale: float,
+    window_left: int, backend: str,
+): ...
+
+
+OP_KV = define_op(
+    "compilepack::varlen_attention_kv",
+    signature=_kv_signature,
+    differentiable=("q", "k", "v"),
+    reference=reference.PATH_KV,
+    saves_output=True,
+    boundaries=("cu_seqlens_q", "cu_seqlens_q_cpu", "cu_seqlens_k", "cu_seqlens_k_cpu"),
 )

@@ -69,8 +69,10 @@ def host_boundaries(cu_seqlens: Tensor) -> list[int]:
     return cu_seqlens.tolist()
 
 
-def _documents(cu_seqlens: Tensor, cu_seqlens_cpu: Tensor | None, total: int) -> list[tuple[int, int]]:
-    """(start, end) of every non-empty document; refuses boundaries that do not cover the tokens exactly."""
+def _documents(cu_seqlens: Tensor, cu_seqlens_cpu: Tensor | None, total: int, keep_empty: bool = False
+               ) -> list[tuple[int, int]]:
+    """(start, end) of every non-empty document (every document with ``keep_empty``); refuses boundaries that do
+    not cover the tokens exactly."""
     argument, boundaries = ("cu_seqlens", cu_seqlens) if cu_seqlens_cpu is None else ("cu_seqlens_cpu", cu_seqlens_cpu)
     host = boundaries.cpu()  # itself on the host; on a CUDA reference call, the one copy this loop pays anyway
     # the op's up-front check skipped boundaries off the host: a CUDA reference call without the host copy is
@@ -82,7 +84,7 @@ def _documents(cu_seqlens: Tensor, cu_seqlens_cpu: Tensor | None, total: int) ->
             f"varlen_attention: cu_seqlens must start at 0 and end at the token count {total}; "
             f"got {bounds[0]} ... {bounds[-1]}. Tokens outside the documents would be dropped."
         )
-    return [(s, e) for s, e in zip(bounds[:-1], bounds[1:]) if e > s]
+    return [(s, e) for s, e in zip(bounds[:-1], bounds[1:]) if e > s or keep_empty]
 
 
 def _heads_first(x: Tensor, start: int, end: int, dtype: torch.dtype) -> Tensor:
@@ -170,3 +172,89 @@ def _masked_scores(q, k, causal, scale, mask):
 
 
 PATH = Path(forward=forward, backward=backward, fake=fake)
+
+
+# ------------------------------------------------------------------------------------------------ keys beyond queries
+#
+# ``compilepack::varlen_attention_kv`` (context parallelism over tokens): document ``i``'s queries are tokens
+# ``cu_seqlens_q[i]:cu_seqlens_q[i+1]`` of q and its keys tokens ``cu_seqlens_k[i]:cu_seqlens_k[i+1]`` of k and v,
+# the queries being the last ones of the document so far (flash-attn's varlen convention with ``causal``: the causal
+# mask is aligned at the bottom right). A rank holding a slice of a document attends its queries to all the keys of
+# the document up to its slice end.
+
+
+def forward_kv(q, k, v, cu_seqlens_q, cu_seqlens_q_cpu, cu_seqlens_k, cu_seqlens_k_cpu, max_seqlen_q, max_seqlen_k,
+               causal, scale, window_left):
+    dtype = compute_dtype(q)
+    total, heads = q.shape[:2]
+    out = q.new_zeros(total, heads, v.shape[2])
+    lse = q.new_zeros(heads, total, dtype=dtype)
+    for (q_start, q_end), (k_start, k_end) in _document_pairs(cu_seqlens_q, cu_seqlens_q_cpu, cu_seqlens_k,
+                                                              cu_seqlens_k_cpu, total, k.shape[0]):
+        q_d = _heads_first(q, q_start, q_end, dtype)
+        k_d, v_d = (_heads_first(x, k_start, k_end, dtype) for x in (k, v))
+        mask = _suffix_mask(q_end - q_start, k_end - k_start, causal, window_left, q.device)
+        out_d, lse_d = _document_forward(q_d, k_d, v_d, causal, scale, mask)
+        out[q_start:q_end] = out_d[0].transpose(0, 1)
+        lse[:, q_start:q_end] = lse_d[0]
+    return out, [lse]
+
+
+def fake_kv(q, k, v, cu_seqlens_q, cu_seqlens_q_cpu, cu_seqlens_k, cu_seqlens_k_cpu, max_seqlen_q, max_seqlen_k,
+            causal, scale, window_left):
+    return fake(q, k, v, cu_seqlens_q, cu_seqlens_q_cpu, max_seqlen_q, causal, scale, window_left)
+
+
+def backward_kv(grad_out, out, saved, needs_grad, q, k, v, cu_seqlens_q, cu_seqlens_q_cpu, cu_seqlens_k,
+                cu_seqlens_k_cpu, max_seqlen_q, max_seqlen_k, causal, scale, window_left):
+    (lse,) = saved
+    dtype = lse.dtype
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for (q_start, q_end), (k_start, k_end) in _document_pairs(cu_seqlens_q, cu_seqlens_q_cpu, cu_seqlens_k,
+                                                              cu_seqlens_k_cpu, q.shape[0], k.shape[0]):
+        q_d, out_d, grad_d = (_heads_first(x, q_start, q_end, dtype) for x in (q, out, grad_out))
+        k_d, v_d = (_heads_first(x, k_start, k_end, dtype) for x in (k, v))
+        mask = _suffix_mask(q_end - q_start, k_end - k_start, causal, window_left, q.device)
+        dq_d, dk_d, dv_d = _document_backward(grad_d, q_d, k_d, v_d, out_d, lse[None, :, q_start:q_end], causal,
+                                              scale, mask)
+        dq[q_start:q_end] = dq_d[0].transpose(0, 1)
+        dk[k_start:k_end] = dk_d[0].transpose(0, 1)
+        dv[k_start:k_end] = dv_d[0].transpose(0, 1)
+    return dq, dk, dv
+
+
+def _document_pairs(cu_q, cu_q_cpu, cu_k, cu_k_cpu, total_q: int, total_k: int):
+    """The (query, key) token ranges of every document with queries; refuses a document with more queries than
+    keys (its queries must be the last of its keys)."""
+    queries = _documents(cu_q, cu_q_cpu, total_q, keep_empty=True)
+    keys = _documents(cu_k, cu_k_cpu, total_k, keep_empty=True)
+    if len(queries) != len(keys):
+        raise ValueError(
+            f"varlen_attention_kv: cu_seqlens_q and cu_seqlens_k must describe the same documents, got {len(queries)} "
+            f"and {len(keys)}."
+        )
+    pairs = [(q, k) for q, k in zip(queries, keys) if q[1] > q[0]]
+    for (q_start, q_end), (k_start, k_end) in pairs:
+        if q_end - q_start > k_end - k_start:
+            raise ValueError(
+                f"varlen_attention_kv: a document has {q_end - q_start} queries but {k_end - k_start} keys; its "
+                "queries must be the last of its keys (cu_seqlens_k must give each document at least as many tokens)."
+            )
+    return pairs
+
+
+def _suffix_mask(queries: int, keys: int, causal: bool, window_left: int, device) -> Tensor | None:
+    """Boolean ``[Lq, Lk]`` mask (True = attend) for queries that are the last ``Lq`` of ``Lk`` key positions (query
+    i sits at key position ``Lk - Lq + i``); None when plain causal (``Lq == Lk``) or full attention suffices."""
+    if queries == keys:
+        return _window_mask(queries, causal, window_left, device)
+    if not causal and window_left == NO_WINDOW:
+        return None
+    distance = (torch.arange(queries, device=device) + keys - queries)[:, None] - torch.arange(keys, device=device)
+    allowed = distance >= 0 if causal else distance >= -window_left
+    if window_left != NO_WINDOW:
+        allowed &= distance <= window_left
+    return allowed
+
+
+PATH_KV = Path(forward=forward_kv, backward=backward_kv, fake=fake_kv)

@@ -5,6 +5,10 @@ exactly the output it gets when run alone.
 - ``reference.py``: masked chunks in pure torch (any device; what runs on CPU), explicit backward;
 - ``fla.py``: flash-linear-attention's chunk kernels (CUDA, ``backend="fla"``);
 - ``naive.py``: the token-by-token recurrence per document, the tests' oracle.
+
+``compilepack::gated_delta_rule_varlen_state`` is the same op with a state in and out (each row's first document
+starts from a given state; each row's last state is returned): what context parallelism over tokens needs
+(``context_parallel.py``). Reference path only.
 """
 
 from __future__ import annotations
@@ -12,11 +16,12 @@ from __future__ import annotations
 from torch import Tensor
 
 from ... import backends
-from .._chunked import define_delta_rule_op, run_delta_rule
+from .._chunked import check_delta_rule_inputs, define_delta_rule_op, run_delta_rule
+from .._scaffold import define_op
 from . import fla, reference
 from .naive import gated_delta_rule_naive
 
-__all__ = ["gated_delta_rule_naive", "gated_delta_rule_varlen"]
+__all__ = ["gated_delta_rule_naive", "gated_delta_rule_varlen", "gated_delta_rule_varlen_state"]
 
 
 def gated_delta_rule_varlen(
@@ -59,3 +64,53 @@ def gated_delta_rule_varlen(
 
 
 OP = define_delta_rule_op("compilepack::gated_delta_rule_varlen", reference.PATH, fla.PATH)
+
+
+def gated_delta_rule_varlen_state(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor, initial_state: Tensor,
+    use_qk_l2norm: bool = True, scale: float | None = None, *, cu_seqlens_cpu: Tensor | None = None,
+    backend: str = backends.REFERENCE,
+) -> tuple[Tensor, Tensor]:
+    """:func:`gated_delta_rule_varlen` with a state in and out: the first document of each row starts from
+    ``initial_state`` ``[B, HV, K, V]`` (instead of zero), and the state after each row's last token (that of its
+    last document, whichever it is) is returned, ``[B, HV, K, V]`` in the compute dtype (float32, float64 for
+    float64 inputs). Every row start must be a document start (``cu_seqlens`` holds ``b * T``). Differentiable in
+    every tensor, ``initial_state`` included.
+
+    Example::
+
+        q, k = torch.randn(2, 1, 8, 2, 16).unbind(0); v = torch.randn(1, 8, 4, 16)
+        g, beta = -torch.rand(1, 8, 4), torch.rand(1, 8, 4)
+        cu = torch.tensor([0, 3, 8], dtype=torch.int32)               # two documents
+        o, final = gated_delta_rule_varlen_state(q, k, v, g, beta, cu, torch.randn(1, 4, 16, 16))
+        # o: [1, 8, 4, 16] (document 0 continued the given state); final: [1, 4, 16, 16] (document 1's last state)
+    """
+    check_delta_rule_inputs(q, k, v, g, beta, cu_seqlens, per_channel_decay=False)
+    return run_state_op(OP_STATE, q, k, v, g, beta, cu_seqlens, initial_state, use_qk_l2norm, scale, cu_seqlens_cpu,
+                        backend)
+
+
+def run_state_op(op, q, k, v, g, beta, cu_seqlens, initial_state, use_qk_l2norm, scale, cu_seqlens_cpu, backend):
+    """A delta rule's state op, its flat output split into ``o`` (in q's dtype) and the final states."""
+    rows, length, value_heads, value_dim = v.shape
+    state_shape = (rows, value_heads, q.shape[3], value_dim)
+    if initial_state.shape != state_shape:
+        raise ValueError(f"initial_state must be [B, HV, K, V] = {state_shape}, got {tuple(initial_state.shape)}.")
+    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    out, _ = op(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, initial_state, bool(use_qk_l2norm), scale, backend)
+    o, final = out.split([rows * length * value_heads * value_dim, rows * value_heads * q.shape[3] * value_dim])
+    return o.view(v.shape).to(q.dtype), final.view(state_shape)
+
+
+def _state_signature(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor, cu_seqlens_cpu: Tensor | None,
+    initial_state: Tensor, use_qk_l2norm: bool, scale: float, backend: str,
+): ...
+
+
+# one output, flat: the output then the final states (the scaffold's ops have one differentiable output)
+OP_STATE = define_op(
+    "compilepack::gated_delta_rule_varlen_state", signature=_state_signature,
+    differentiable=("q", "k", "v", "g", "beta", "initial_state"), reference=reference.PATH_STATE,
+    boundaries=("cu_seqlens", "cu_seqlens_cpu"),
+)

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from .._chunked import (
     ChunkedInputs,
+    compute_dtype,
     fake_chunk_states_and_inverses,
     saved_inverses,
     segmented_cumsum,
@@ -52,8 +53,11 @@ class _Chunks(ChunkedInputs):
     last document and ``carry = exp(gamma_C)`` when that document started before the chunk (else 0).
     """
 
-    def __init__(self, q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale, a_inv: Tensor | None = None):
+    def __init__(self, q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale, a_inv: Tensor | None = None,
+                 reads_initial: bool = False):
         super().__init__(q, k, v, beta, cu_seqlens, use_qk_l2norm, scale, CHUNK)
+        if reads_initial:  # the first document continues a state given from outside: it reads it, as a carried state
+            self.reads_state_NC[0] = self.doc[0] == self.doc[0, 0]
         self.beta = self.beta.squeeze(-1)  # [NC, H, G, C]
         self.reads_state = self.reads_state_NC[:, None, None, :]  # [NC, 1, 1, C]: broadcasts over H, G
         self.in_last_doc = self.in_last_doc_NC[:, None, None, :]
@@ -96,14 +100,21 @@ def fake(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
     return fake_chunk_states_and_inverses(q, v, CHUNK)
 
 
-def _chunk_start_states(u: Tensor, w: Tensor, k_out: Tensor, carry: Tensor) -> Tensor:
-    """The recurrent state at the start of every chunk, ``[NC, H, G, K, V]`` (zero before the first chunk)."""
-    states = u.new_empty(*u.shape[:3], w.shape[-1], u.shape[-1])
-    states[0].zero_()
+def _chunk_start_states(
+    u: Tensor, w: Tensor, k_out: Tensor, carry: Tensor, initial: Tensor | None = None
+) -> Tensor:
+    """The recurrent state at the start of every chunk, ``[NC, H, G, K, V]`` (zero before the first chunk, or
+    ``initial``); with ``initial`` given, also the state at the end of the last chunk, as one more entry."""
+    chunks = u.shape[0] + (initial is not None)
+    states = u.new_empty(chunks, *u.shape[1:3], w.shape[-1], u.shape[-1])
+    if initial is None:
+        states[0].zero_()
+    else:
+        states[0].copy_(initial)
     # value heads merged, [NC, H*G, ...], so each step is two fused batched products on views: the loop runs
     # T / C times and its per-op overhead, not its arithmetic, is what it costs
     s, u, w, k_out_t, carry = _heads_merged(states, u, w, k_out.transpose(-1, -2), carry[..., None])
-    for i in range(u.shape[0] - 1):
+    for i in range(chunks - 1):
         v_new = torch.baddbmm(u[i], w[i], s[i], alpha=-1)  # u - w @ s
         torch.baddbmm(s[i] * carry[i], k_out_t[i], v_new, out=s[i + 1])
     return states
@@ -120,9 +131,16 @@ def backward(do, o, saved, needs_grad, q, k, v, g, beta, cu_seqlens, cu_seqlens_
     flat_states, flat_inverses = saved
     c = _Chunks(q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale, saved_inverses(flat_inverses, q, v, CHUNK))
     states = flat_states.view(*c.u.shape[:3], c.w.shape[-1], c.u.shape[-1])  # [NC, H, G, K, V]
+    grads, _ = _backward(c, states, do, scale)
+    return tuple(d.reshape(x.shape) for d, x in zip(grads, (q, k, v, g, beta)))
+
+
+def _backward(c: _Chunks, states: Tensor, do: Tensor, scale: float, d_final: Tensor | None = None):
+    """The gradients of q, k, v, g, beta (token layout) and of the state at the start of the first chunk, given
+    ``states`` (at every chunk start) and ``d_final``, the gradient of the state at the end of the last chunk."""
     do_c = c.chunked(do)  # [NC, H, G, C, V]
     v_new = c.u - c.w @ states
-    d_states_end = _chunk_end_state_grads(do_c, c)  # dL/dS' for every chunk
+    d_states_end = _chunk_end_state_grads(do_c, c, d_final)  # dL/dS' for every chunk
     d_v_new = c.attn.transpose(-1, -2) @ do_c + c.k_out @ d_states_end
     d_w = -(d_v_new @ states.transpose(-1, -2))
     d_qe = do_c @ states.transpose(-1, -2)
@@ -158,18 +176,26 @@ def backward(do, o, saved, needs_grad, q, k, v, g, beta, cu_seqlens, cu_seqlens_
     d_v = d_bv * c.beta[..., None]
     d_g = segmented_cumsum_backward(d_gamma, c.same_doc)  # gamma is a per-document cumsum of g within the chunk
 
+    d_initial = None
+    if d_final is not None:  # the state the first chunk starts from: read by (q e) and W, carried into its end
+        d_initial = c.qe[0].transpose(-1, -2) @ do_c[0] - c.w[0].transpose(-1, -2) @ d_v_new[0]
+        d_initial += c.carry[0][..., None] * d_states_end[0]
+
     d_q, d_k = c.qk_grads(d_q, d_k, scale)
-    grads = (d_q, d_k, c.tokens(d_v), c.tokens(d_g[..., None]), c.tokens(d_beta[..., None]))
-    return tuple(d.reshape(x.shape) for d, x in zip(grads, (q, k, v, g, beta)))
+    return (d_q, d_k, c.tokens(d_v), c.tokens(d_g[..., None]), c.tokens(d_beta[..., None])), d_initial
 
 
-def _chunk_end_state_grads(do_c: Tensor, c: _Chunks) -> Tensor:
-    """Reverse loop: the gradient of the loss w.r.t. the state at the end of every chunk (zero after the last)."""
+def _chunk_end_state_grads(do_c: Tensor, c: _Chunks, d_final: Tensor | None = None) -> Tensor:
+    """Reverse loop: the gradient of the loss w.r.t. the state at the end of every chunk (zero after the last, or
+    ``d_final``, that of the final state)."""
     # per chunk: dv_new = attn^T do + k_out dS';  dS = (q e)^T do - W^T dv_new + carry dS'
     d_v_new_local = c.attn.transpose(-1, -2) @ do_c
     d_state_local = c.qe.transpose(-1, -2) @ do_c
     d_states_end = torch.empty_like(d_state_local)
-    d_states_end[-1].zero_()
+    if d_final is None:
+        d_states_end[-1].zero_()
+    else:
+        d_states_end[-1].copy_(d_final)
     d_end, d_v_local, d_s_local, k_out, w_t, carry = _heads_merged(
         d_states_end, d_v_new_local, d_state_local, c.k_out, c.w.transpose(-1, -2), c.carry[..., None])
     for i in range(c.n_chunks - 1, 0, -1):
@@ -179,3 +205,99 @@ def _chunk_end_state_grads(do_c: Tensor, c: _Chunks) -> Tensor:
 
 
 PATH = Path(forward=forward, backward=backward, fake=fake)
+
+
+# ------------------------------------------------------------------------------------------------ with a state
+#
+# ``compilepack::gated_delta_rule_varlen_state`` (context parallelism over tokens): each row's first document starts
+# from ``initial_state[row]`` instead of zero, and the state at each row's end (its last document's) is returned.
+# Rows run one at a time, each chunked from its own start, so the state is read at a chunk start as any carried
+# state is; the chunk padding after a row's last token joins its last document (zero q, k, v, g, beta: exactly
+# nothing is written or decayed), so the last chunk's end state is the state after the row's last token.
+
+
+def row_boundaries(cu_seqlens: Tensor, row: int, length: int, chunk: int) -> Tensor:
+    """``cu_seqlens`` (over rows of ``length`` flattened) as the boundaries of row ``row`` alone, its last document
+    extended over the chunk padding: documents of other rows become empty. Tensor ops only (no host read)."""
+    local = (cu_seqlens - row * length).clamp(0, length)
+    return torch.where(local == length, -(-length // chunk) * chunk, local)
+
+
+def state_forward(chunks_of, run, q, k, v, g, beta, cu_seqlens, initial_state, use_qk_l2norm, scale, chunk):
+    """A delta rule's forward with a state, row by row: ``chunks_of(*row_inputs, bounds, use_qk_l2norm, scale,
+    a_inv, reads_initial=True)`` cuts a row into chunks, ``run(c, initial)`` returns its chunked output and its
+    states (at every chunk start, then the final one). ``(out, [states, inverses])``: ``out`` flat in the compute
+    dtype, the output ``[B, T, HV, V]`` then the final states ``[B, HV, K, V]``; per row, the state at every chunk
+    start and every chunk's ``A^-1``, flat."""
+    outputs, finals, saved_states, saved_inverses = [], [], [], []
+    for row in range(q.shape[0]):
+        c = _row_chunks(chunks_of, row, (q, k, v, g, beta), cu_seqlens, use_qk_l2norm, scale, chunk)
+        o, states = run(c, initial_state[row].to(c.dtype).view(c.H, c.G, *initial_state.shape[2:]))
+        outputs.append(c.tokens(o).reshape(-1))
+        finals.append(states[-1].reshape(-1))
+        saved_states.append(states[:-1].reshape(-1))
+        saved_inverses.append(c.A_inv.reshape(-1))
+    return torch.cat(outputs + finals), [torch.cat(saved_states), torch.cat(saved_inverses)]
+
+
+def state_fake(q, v, chunk: int):
+    rows, length, value_heads, value_dim = v.shape
+    key_dim, chunks, dtype = q.shape[3], -(-length // chunk), compute_dtype(q)
+    out = q.new_empty(rows * value_heads * value_dim * (length + key_dim), dtype=dtype)
+    states = q.new_empty(rows * chunks * value_heads * key_dim * value_dim, dtype=dtype)
+    inverses = q.new_empty(rows * chunks * value_heads * chunk * chunk, dtype=dtype)
+    return out, [states, inverses]
+
+
+def state_backward(chunks_of, backward_of, grad_out, saved, q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale,
+                   chunk):
+    """The gradients of :func:`state_forward`'s inputs, row by row; ``backward_of(c, states, do, scale, d_final)``
+    returns a row's token gradients and that of its initial state."""
+    rows, length, value_heads, value_dim = v.shape
+    key_dim, chunks = q.shape[3], -(-length // chunk)
+    do, d_final = grad_out.split([rows * length * value_heads * value_dim, rows * value_heads * key_dim * value_dim])
+    do, d_final = do.view(rows, length, value_heads, value_dim), d_final.view(rows, value_heads, key_dim, value_dim)
+    states_per_row, inverses_per_row = (x.view(rows, -1) for x in saved)
+    grads, d_initial = [], []
+    for row in range(rows):
+        a_inv = saved_inverses(inverses_per_row[row], q[:1], v[:1], chunk)
+        c = _row_chunks(chunks_of, row, (q, k, v, g, beta), cu_seqlens, use_qk_l2norm, scale, chunk, a_inv)
+        states = states_per_row[row].view(chunks, c.H, c.G, key_dim, value_dim)
+        d_final_row = d_final[row].to(c.dtype).view(c.H, c.G, key_dim, value_dim)
+        row_grads, d_initial_row = backward_of(c, states, do[row : row + 1], scale, d_final_row)
+        grads.append(row_grads)
+        d_initial.append(d_initial_row.reshape(value_heads, key_dim, value_dim))
+    inputs = (q, k, v, g, beta)
+    grads = [torch.cat([row[i] for row in grads]).reshape(x.shape) for i, x in enumerate(inputs)]
+    return (*grads, torch.stack(d_initial))
+
+
+def _row_chunks(chunks_of, row, inputs, cu_seqlens, use_qk_l2norm, scale, chunk, a_inv=None):
+    bounds = row_boundaries(cu_seqlens, row, inputs[0].shape[1], chunk)
+    return chunks_of(*(x[row : row + 1] for x in inputs), bounds, use_qk_l2norm, scale, a_inv, reads_initial=True)
+
+
+def _run_state(c: _Chunks, initial: Tensor) -> tuple[Tensor, Tensor]:
+    states = _chunk_start_states(c.u, c.w, c.k_out, c.carry, initial)  # one more: the final state
+    return c.qe @ states[:-1] + c.attn @ (c.u - c.w @ states[:-1]), states
+
+
+def state_path(chunks_of, run, backward_of, chunk: int) -> Path:
+    """The ``*_varlen_state`` op's path for a delta rule: its chunk builder ``chunks_of``, its ``run`` from a
+    given state and its stateless ``backward_of`` (Gated DeltaNet's here, KDA's in kimi_delta_attention)."""
+
+    def forward(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, initial_state, use_qk_l2norm, scale):
+        return state_forward(chunks_of, run, q, k, v, g, beta, cu_seqlens, initial_state, use_qk_l2norm, scale, chunk)
+
+    def fake(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, initial_state, use_qk_l2norm, scale):
+        return state_fake(q, v, chunk)
+
+    def backward(grad_out, out, saved, needs_grad, q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, initial_state,
+                 use_qk_l2norm, scale):
+        return state_backward(chunks_of, backward_of, grad_out, saved, q, k, v, g, beta, cu_seqlens, use_qk_l2norm,
+                              scale, chunk)
+
+    return Path(forward=forward, backward=backward, fake=fake)
+
+
+PATH_STATE = state_path(_Chunks, _run_state, _backward, CHUNK)

@@ -9,6 +9,9 @@ state: q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, g ``[B, T, HV, K]``, beta ``[
 - ``reference.py``: masked chunks of sub-chunks in pure torch (any device; what runs on CPU), explicit backward;
 - ``fla.py``: flash-linear-attention's chunk kernels (CUDA, ``backend="fla"``, key heads up to 256);
 - ``naive.py``: the token-by-token recurrence per document, the tests' oracle.
+
+``compilepack::kimi_delta_attention_varlen_state``: the same op with a state in and out, for context parallelism over
+tokens (as ``compilepack::gated_delta_rule_varlen_state``). Reference path only.
 """
 
 from __future__ import annotations
@@ -16,11 +19,13 @@ from __future__ import annotations
 from torch import Tensor
 
 from ... import backends
-from .._chunked import define_delta_rule_op, run_delta_rule
+from .._chunked import check_delta_rule_inputs, define_delta_rule_op, run_delta_rule
+from .._scaffold import define_op
+from ..gated_delta_rule import run_state_op
 from . import fla, reference
 from .naive import kimi_delta_attention_naive
 
-__all__ = ["kimi_delta_attention_naive", "kimi_delta_attention_varlen"]
+__all__ = ["kimi_delta_attention_naive", "kimi_delta_attention_varlen", "kimi_delta_attention_varlen_state"]
 
 
 def kimi_delta_attention_varlen(
@@ -57,3 +62,39 @@ def kimi_delta_attention_varlen(
 
 
 OP = define_delta_rule_op("compilepack::kimi_delta_attention_varlen", reference.PATH, fla.PATH, fla.applies)
+
+
+def kimi_delta_attention_varlen_state(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor, initial_state: Tensor,
+    use_qk_l2norm: bool = False, scale: float | None = None, *, cu_seqlens_cpu: Tensor | None = None,
+    backend: str = backends.REFERENCE,
+) -> tuple[Tensor, Tensor]:
+    """:func:`kimi_delta_attention_varlen` with a state in and out: the first document of each row starts from
+    ``initial_state`` ``[B, HV, K, V]``, and each row's state after its last token is returned (``[B, HV, K, V]``,
+    compute dtype). Every row start must be a document start. Differentiable in every tensor.
+
+    Example::
+
+        q, k = torch.randn(2, 1, 8, 2, 16).unbind(0); v = torch.randn(1, 8, 2, 16)
+        g, beta = -torch.rand(1, 8, 2, 16), torch.rand(1, 8, 2)
+        cu = torch.tensor([0, 8], dtype=torch.int32)
+        o, final = kimi_delta_attention_varlen_state(q, k, v, g, beta, cu, torch.randn(1, 2, 16, 16))
+        # o [1, 8, 2, 16], final [1, 2, 16, 16]
+    """
+    check_delta_rule_inputs(q, k, v, g, beta, cu_seqlens, per_channel_decay=True)
+    return run_state_op(OP_STATE, q, k, v, g, beta, cu_seqlens, initial_state, use_qk_l2norm, scale, cu_seqlens_cpu,
+                        backend)
+
+
+def _state_signature(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor, cu_seqlens_cpu: Tensor | None,
+    initial_state: Tensor, use_qk_l2norm: bool, scale: float, backend: str,
+): ...
+
+
+# one output, flat: the output then the final states (the scaffold's ops have one differentiable output)
+OP_STATE = define_op(
+    "compilepack::kimi_delta_attention_varlen_state", signature=_state_signature,
+    differentiable=("q", "k", "v", "g", "beta", "initial_state"), reference=reference.PATH_STATE,
+    boundaries=("cu_seqlens", "cu_seqlens_cpu"),
+)

@@ -1,11 +1,15 @@
-"""``kimi_delta_attention_varlen`` under context parallelism: head-parallel (Ulysses) over the whole rows, exactly
-as the gated delta rule (its ``g`` is per channel of each value head, split with the heads)."""
+"""``kimi_delta_attention_varlen`` under context parallelism, exactly as the gated delta rule (its ``g`` is per
+channel of each value head, split with the heads under Ulysses; over tokens the transform a slice applies to an
+incoming state is the product of ``(I - beta k k^T) diag(exp g)``, carried by the same identity columns)."""
 
 from __future__ import annotations
 
 import functools
 
-from ..gated_delta_rule.context_parallel import head_parallel
-from . import kimi_delta_attention_varlen
+from ..gated_delta_rule.context_parallel import context_parallel, head_parallel
+from . import kimi_delta_attention_varlen, kimi_delta_attention_varlen_state
 
 kimi_delta_attention_head_parallel = functools.partial(head_parallel, kimi_delta_attention_varlen)
+kimi_delta_attention_context_parallel = functools.partial(
+    context_parallel, kimi_delta_attention_varlen, kimi_delta_attention_varlen_state
+)

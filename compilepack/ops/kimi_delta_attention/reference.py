@@ -46,6 +46,7 @@ from .._chunked import (
     unit_lower_inverse,
 )
 from .._scaffold import Path
+from ..gated_delta_rule.reference import state_path
 
 # Chunk and sub-chunk (exact for any values). Per head and token, the sub-chunk pair tensors cost SUB * K, the
 # links across sub-chunks (CHUNK / SUB) * K; the state loop runs T / CHUNK steps of three small calls. Measured on
@@ -89,8 +90,11 @@ class _Chunks(ChunkedInputs):
     a: three factors <= 1, each an exact 0 unless its two tokens share a document.
     """
 
-    def __init__(self, q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale, a_inv: Tensor | None = None):
+    def __init__(self, q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale, a_inv: Tensor | None = None,
+                 reads_initial: bool = False):
         super().__init__(q, k, v, beta, cu_seqlens, use_qk_l2norm, scale, CHUNK)  # q, k, v, beta: [NC, H, G, C, D]
+        if reads_initial:  # the first document continues a state given from outside: it reads it, as a carried state
+            self.reads_state_NC[0] = self.doc[0] == self.doc[0, 0]
         self.g = self.chunked(g)  # [NC, H, G, C, K]
         self._masks()
         self.gamma = segmented_cumsum(self.g, self.same_doc, tokens_dim=-2)  # restarts at document starts
@@ -166,30 +170,43 @@ def fake(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
     return fake_chunk_states_and_inverses(q, v, CHUNK)
 
 
-def _chunk_start_states(c: _Chunks) -> tuple[Tensor, Tensor]:
-    """The state at the start of every chunk ``[NC, H, G, K, V]`` (zero before the first) and ``v_new = U - W S``."""
+def _chunk_start_states(c: _Chunks, initial: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The state at the start of every chunk ``[NC, H, G, K, V]`` (zero before the first, or ``initial``) and
+    ``v_new = U - W S``; with ``initial`` given, also the state at the end of the last chunk, as one more entry."""
     # 3-D per-chunk operands, so every step is one bmm-family call (the loop is per-call overhead bound)
     u, w = c.u.flatten(1, 2), c.w.flatten(1, 2)
     k_out_t = c.k_out.flatten(1, 2).transpose(-1, -2).contiguous()  # [NC, HG, K, C]
     carry = c.carry.flatten(1, 2).transpose(-1, -2)  # [NC, HG, K, 1]
-    states = u.new_empty(c.n_chunks, u.shape[1], w.shape[-1], u.shape[-1])
-    states[0].zero_()
+    chunks = c.n_chunks + (initial is not None)
+    states = u.new_empty(chunks, u.shape[1], w.shape[-1], u.shape[-1])
+    if initial is None:
+        states[0].zero_()
+    else:
+        states[0].copy_(initial.flatten(0, 1))
     v_new = torch.empty_like(u)
     for i in range(c.n_chunks):
         torch.baddbmm(u[i], w[i], states[i], alpha=-1, out=v_new[i])
-        if i + 1 < c.n_chunks:
+        if i + 1 < chunks:
             torch.bmm(k_out_t[i], v_new[i], out=states[i + 1]).addcmul_(carry[i], states[i])
-    return states.view(*c.u.shape[:3], *states.shape[2:]), v_new.view(c.u.shape)
+    return states.view(chunks, *c.u.shape[1:3], *states.shape[2:]), v_new.view(c.u.shape)
 
 
 def backward(do, o, saved, needs_grad, q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
     c = _Chunks(q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale, saved_inverses(saved[1], q, v, CHUNK))
-    do_c = c.chunked(do)  # [NC, H, G, C, V]
     states = saved[0].view(*c.u.shape[:3], c.w.shape[-1], c.u.shape[-1])  # [NC, H, G, K, V]
+    grads, _ = _backward(c, states, do, scale)
+    return tuple(d.reshape(x.shape) for d, x in zip(grads, (q, k, v, g, beta)))
+
+
+def _backward(c: _Chunks, states: Tensor, do: Tensor, scale: float, d_final: Tensor | None = None):
+    """The gradients of q, k, v, g, beta (token layout) and, with ``d_final`` (the gradient of the state at the end
+    of the last chunk), of the state at the start of the first chunk; ``states``: at every chunk start."""
+    do_c = c.chunked(do)  # [NC, H, G, C, V]
     v_new = c.u - c.w @ states
     # per chunk: dv_new = QK^T do + (k O) dS';  dS = (q E)^T do - W^T dv_new + carry dS'
     d_v_new = c.qk.transpose(-1, -2) @ do_c
-    d_states_end = _chunk_end_state_grads(d_v_new, c.qe.transpose(-1, -2) @ do_c, c)  # dL/dS' for every chunk
+    d_state_local = c.qe.transpose(-1, -2) @ do_c
+    d_states_end = _chunk_end_state_grads(d_v_new, d_state_local, c, d_final)  # dL/dS' for every chunk
     d_v_new += c.k_out @ d_states_end
     d_w = -(d_v_new @ states.transpose(-1, -2))
     d_qe = do_c @ states.transpose(-1, -2)  # [NC, H, G, C, K]
@@ -214,9 +231,13 @@ def backward(do, o, saved, needs_grad, q, k, v, g, beta, cu_seqlens, cu_seqlens_
     d_gamma[..., -1:, :] += d_k_out_x_k_out.sum(-2, keepdim=True) + d_carry * c.carry
     d_g = segmented_cumsum_backward(d_gamma, c.same_doc, tokens_dim=-2)  # G is a per-document cumsum of g
 
+    d_initial = None
+    if d_final is not None:  # the state the first chunk starts from: read by (q E) and W, carried into its end
+        d_initial = d_state_local[0] - c.w[0].transpose(-1, -2) @ d_v_new[0]
+        d_initial += c.carry[0].transpose(-1, -2) * d_states_end[0]
+
     d_q, d_k = c.qk_grads(d_q.sum(2, keepdim=True), d_k.sum(2, keepdim=True), scale)
-    grads = (d_q, d_k, c.tokens(d_bv * c.beta), c.tokens(d_g), c.tokens(d_beta))
-    return tuple(d.reshape(x.shape) for d, x in zip(grads, (q, k, v, g, beta)))
+    return (d_q, d_k, c.tokens(d_bv * c.beta), c.tokens(d_g), c.tokens(d_beta)), d_initial
 
 
 def _pair_grads(c: _Chunks, d_qk: Tensor, d_kk: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -242,13 +263,18 @@ def _pair_grads(c: _Chunks, d_qk: Tensor, d_kk: Tensor) -> tuple[Tensor, Tensor,
     return d_q, d_k_row, d_k_col
 
 
-def _chunk_end_state_grads(d_v_new_local: Tensor, d_state_local: Tensor, c: _Chunks) -> Tensor:
-    """Reverse loop: the gradient of the loss w.r.t. the state at the end of every chunk (zero after the last)."""
+def _chunk_end_state_grads(d_v_new_local: Tensor, d_state_local: Tensor, c: _Chunks, d_final: Tensor | None = None
+                           ) -> Tensor:
+    """Reverse loop: the gradient of the loss w.r.t. the state at the end of every chunk (zero after the last, or
+    ``d_final``, that of the final state)."""
     d_v_new_local, d_state_local = d_v_new_local.flatten(1, 2), d_state_local.flatten(1, 2)
     w_t = c.w.flatten(1, 2).transpose(-1, -2).contiguous()  # [NC, HG, K, C]
     k_out, carry = c.k_out.flatten(1, 2), c.carry.flatten(1, 2).transpose(-1, -2)
     d_states_end = torch.empty_like(d_state_local)
-    d_states_end[-1].zero_()
+    if d_final is None:
+        d_states_end[-1].zero_()
+    else:
+        d_states_end[-1].copy_(d_final.flatten(0, 1))
     for i in range(c.n_chunks - 1, 0, -1):
         d_v_new = torch.baddbmm(d_v_new_local[i], k_out[i], d_states_end[i])
         torch.baddbmm(d_state_local[i], w_t[i], d_v_new, alpha=-1, out=d_states_end[i - 1])
@@ -257,3 +283,18 @@ def _chunk_end_state_grads(d_v_new_local: Tensor, d_state_local: Tensor, c: _Chu
 
 
 PATH = Path(forward=forward, backward=backward, fake=fake)
+
+
+# ------------------------------------------------------------------------------------------------ with a state
+#
+# ``compilepack::kimi_delta_attention_varlen_state``: as the gated delta rule's (``gated_delta_rule/reference.py``):
+# each row's first document starts from ``initial_state[row]``, each row's last state is returned; rows run one at a
+# time, their chunk padding joining their last document (the row loops are the gated delta rule's).
+
+
+def _run_state(c: _Chunks, initial: Tensor) -> tuple[Tensor, Tensor]:
+    states, v_new = _chunk_start_states(c, initial)  # one more state: the final one
+    return c.qe @ states[:-1] + c.qk @ v_new, states
+
+
+PATH_STATE = state_path(_Chunks, _run_state, _backward, CHUNK)

@@ -9,6 +9,10 @@ Layout as mamba-ssm's ``mamba_chunk_scan_combined`` and transformers' ``mamba2_c
 - ``reference.py``: the masked SSD chunk scan in pure torch (any device; what runs on CPU), explicit backward;
 - ``mamba_ssm.py``: mamba-ssm's Triton SSD forward and backward (CUDA, ``backend="mamba_ssm"``);
 - ``naive.py``: the token-by-token recurrence per document, the tests' oracle.
+
+``compilepack::mamba2_chunk_scan_varlen_state``: the scan from a zero state with what adding an incoming state takes
+(each row's final state, the first document's decays): what context parallelism over tokens needs
+(``context_parallel.py``). Reference path only.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from .._scaffold import define_op
 from . import mamba_ssm, reference
 from .naive import mamba2_chunk_scan_naive
 
-__all__ = ["mamba2_chunk_scan_naive", "mamba2_chunk_scan_varlen"]
+__all__ = ["mamba2_chunk_scan_naive", "mamba2_chunk_scan_varlen", "mamba2_chunk_scan_varlen_state"]
 
 
 def mamba2_chunk_scan_varlen(
@@ -106,5 +110,51 @@ OP = define_op(
     reference=reference.PATH,
     kernels={"mamba_ssm": mamba_ssm.PATH},
     saves_output=True,  # mamba-ssm's backward takes the forward's output
+    boundaries=("seq_idx",),
+)
+
+
+def mamba2_chunk_scan_varlen_state(
+    x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int, D: Tensor | None = None,
+    dt_bias: Tensor | None = None, dt_softplus: bool = False, dt_limit: tuple[float, float] = (0.0, float("inf")),
+    *, seq_idx: Tensor, backend: str = backends.REFERENCE,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`mamba2_chunk_scan_varlen` and what it takes to add an incoming state afterwards: ``(y, final,
+    alpha)``, all in the compute dtype and differentiable.
+
+    The state is affine in a row's incoming state ``h_in [b, H, P, N]`` (the state its first document continues):
+    with it, the outputs are ``y + alpha[..., None] * einsum("bthn,bhpn->bthp", C_per_head, h_in)`` and the state
+    after the row's last token is ``final + alpha[:, -1, :, None, None] * h_in``.
+
+    Returns:
+        y: ``[b, T, H, P]``, the scan from a zero state (as :func:`mamba2_chunk_scan_varlen`);
+        final: ``[b, H, P, N]``, each row's state after its last token (its last document's);
+        alpha: ``[b, T, H]``, the decay from the row start to each token of the row's first document (the product
+        of ``exp(dt_s A)``), 0 on the other tokens.
+
+    Example::
+
+        x, dt = torch.randn(1, 8, 4, 8), torch.randn(1, 8, 4)
+        B, C = torch.randn(2, 1, 8, 2, 16).unbind(0)
+        y, final, alpha = mamba2_chunk_scan_varlen_state(x, dt, -torch.rand(4), B, C, 4, dt_softplus=True,
+                                                         seq_idx=torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]]))
+        # y [1, 8, 4, 8]; final [1, 4, 8, 16] (document 1's); alpha [1, 8, 4], 0 from token 3 on
+    """
+    _check_inputs(x, dt, A, B, C, chunk_size, D, dt_bias, seq_idx)
+    dt_min, dt_max = (float(limit) for limit in dt_limit)
+    out, _ = OP_STATE(x, dt, A, B, C, seq_idx.to(torch.int32), D, dt_bias, chunk_size, bool(dt_softplus), dt_min,
+                      dt_max, backend)
+    batch, total, heads, head_dim = x.shape
+    sizes = [batch * total * heads * head_dim, batch * heads * head_dim * B.shape[3], batch * total * heads]
+    y, final, alpha = out.split(sizes)
+    return y.view(x.shape), final.view(batch, heads, head_dim, B.shape[3]), alpha.view(batch, total, heads)
+
+
+# one output, flat: y, the final states, alpha (the scaffold's ops have one differentiable output)
+OP_STATE = define_op(
+    "compilepack::mamba2_chunk_scan_varlen_state",
+    signature=_signature,
+    differentiable=("x", "dt", "A", "B", "C", "D", "dt_bias"),
+    reference=reference.PATH_STATE,
     boundaries=("seq_idx",),
 )

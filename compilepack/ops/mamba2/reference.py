@@ -84,7 +84,8 @@ class _Chunks:
     chunk c).
     """
 
-    def __init__(self, x, dt, A, B, C, seq_idx, dt_bias, chunk_size, dt_softplus, dt_min, dt_max):
+    def __init__(self, x, dt, A, B, C, seq_idx, dt_bias, chunk_size, dt_softplus, dt_min, dt_max,
+                 pad_continues: bool = False):
         dtype = scan_dtype(x, dt, A, B, C)
         batch, total, heads, head_dim = x.shape
         groups, state_size = B.shape[2], B.shape[3]
@@ -105,8 +106,10 @@ class _Chunks:
         self.A = A.to(dtype)
         self.log_decay = (self.dt * self.A).transpose(2, 3)  # [b, c, H, l]
 
-        # padding tokens form a document of their own (x = dt = 0), so they never touch real tokens
-        seq = torch.cat([seq_idx, (seq_idx[:, -1:] + 1).expand(batch, pad)], dim=1).view(chunks)
+        # padding tokens form a document of their own (x = dt = 0), so they never touch real tokens; or
+        # (``pad_continues``) they continue the row's last document, whose state they leave exactly as it is (no
+        # decay, no input), so the last chunk's end state is the state after the row's last token
+        seq = torch.cat([seq_idx, (seq_idx[:, -1:] + (not pad_continues)).expand(batch, pad)], dim=1).view(chunks)
         last = seq[:, :, -1]
         # the document of the token before each chunk; chunk 0 continues none (no initial state)
         previous_last = torch.cat([seq[:, :1, 0] - 1, last[:, :-1]], dim=1)
@@ -170,6 +173,13 @@ def forward(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, dt_min
     """Masked SSD: ``(y [b, T, H, P], [chunk_states, end_states, decay])``, saved flat: the states
     ``[b, c, H, P, N]`` each chunk writes and at each chunk's end, and the intra-chunk decay."""
     k = _Chunks(x, dt, A, B, C, seq_idx, dt_bias, chunk_size, dt_softplus, dt_min, dt_max)
+    y, saved = _forward(k, x, D)
+    # flat, so the chunk count is never a dimension of its own: the compiler specialises a size-1 dimension,
+    # which would cost one recompile for every batch of at most one chunk
+    return y, [t.contiguous().view(-1) for t in saved]
+
+
+def _forward(k: _Chunks, x: Tensor, D: Tensor | None) -> tuple[Tensor, list[Tensor]]:
     decay = k.intra_decay()
     _CB, W = k.intra_weights(decay)
     y = torch.einsum("bcgjls,bcsgjp->bclgjp", W, k.x_dt)
@@ -184,9 +194,7 @@ def forward(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, dt_min
     y = y.reshape(x.shape[0], -1, *x.shape[2:])[:, : k.total]
     if D is not None:
         y = y + _skip(x.to(y.dtype), D.to(y.dtype))
-    # flat, so the chunk count is never a dimension of its own: the compiler specialises a size-1 dimension,
-    # which would cost one recompile for every batch of at most one chunk
-    return y.contiguous(), [t.contiguous().view(-1) for t in (chunk_states, end_states, decay)]
+    return y.contiguous(), [chunk_states, end_states, decay]
 
 
 def fake(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max):
@@ -204,6 +212,14 @@ def backward(grad_y, y, saved, needs_grad, x, dt, A, B, C, seq_idx, D, dt_bias, 
     """Hand-derived gradients of :func:`forward`, each einsum's transpose in turn; every log-decay gradient goes
     back through the masked sums it came from (the intra-chunk segment sum, the masked cumsum and chunk sums)."""
     k = _Chunks(x, dt, A, B, C, seq_idx, dt_bias, chunk_size, dt_softplus, dt_min, dt_max)
+    return _backward(k, grad_y, saved, x, B, D, dt_bias, dt_softplus, dt_min, dt_max)
+
+
+def _backward(k: _Chunks, grad_y, saved, x, B, D, dt_bias, dt_softplus, dt_min, dt_max, d_final=None,
+              d_log_decay_extra=None):
+    """The gradients of :func:`forward`'s inputs; ``d_final``: that of the state at the end of every row's last
+    chunk ``[b, H, P, N]``; ``d_log_decay_extra``: more gradient on each token's log decay ``[b, T, H]``."""
+    chunk_size = k.chunk_size
     batch, heads, head_dim, state_size = x.shape[0], x.shape[2], x.shape[3], B.shape[3]
     states_shape = (batch, k.nchunks, heads, head_dim, state_size)
     chunk_states, end_states = saved[0].view(states_shape), saved[1].view(states_shape)
@@ -220,7 +236,8 @@ def backward(grad_y, y, saved, needs_grad, x, dt, A, B, C, seq_idx, D, dt_bias, 
     d_read_log_decay = _heads_first(d_read * read)  # read_decay = exp(read_log_decay) where read
 
     # end_state[c] = sum_k carry_decay[c, k] * chunk_state[k]; carry_decay sums the chunks' log decays
-    d_end = torch.cat([d_start[:, 1:], torch.zeros_like(d_start[:, :1])], dim=1)
+    d_last = torch.zeros_like(d_start[:, :1]) if d_final is None else d_final[:, None].to(d_start.dtype)
+    d_end = torch.cat([d_start[:, 1:], d_last], dim=1)
     carry = k.carry_decay()
     d_chunk_states = k.heads_view(torch.einsum("bhck,bchpn->bkhpn", carry, d_end))
     d_log_carry = torch.einsum("bchpn,bkhpn->bhck", d_end, chunk_states).mul_(carry)
@@ -249,6 +266,8 @@ def backward(grad_y, y, saved, needs_grad, x, dt, A, B, C, seq_idx, D, dt_bias, 
 
     # log_decay = dt * A
     d_log_decay = d_log_decay.transpose(2, 3)  # [b, c, l, H]
+    if d_log_decay_extra is not None:
+        d_log_decay = d_log_decay + _pad_time(d_log_decay_extra.to(d_log_decay.dtype), pad).view(d_log_decay.shape)
     dA = (d_log_decay * k.dt).sum((0, 1, 2))
     d_dt = d_log_decay * k.A + (d_x_dt * k.x).sum(-1).flatten(3)
     dx = d_x_dt * k.dt.view(*k.dt.shape[:3], k.groups, -1, 1)
@@ -277,3 +296,56 @@ def _dt_processing_backward(d_dt: Tensor, k: _Chunks, dt_softplus: bool, dt_min:
 
 
 PATH = Path(forward=forward, backward=backward, fake=fake)
+
+
+# ------------------------------------------------------------------------------------------------ with a state
+#
+# ``compilepack::mamba2_chunk_scan_varlen_state`` (context parallelism over tokens): the scan from a zero state, plus
+# what a caller needs to add an incoming state without running it again. The state is affine in the incoming one:
+# a row's first document carries an incoming ``h_in`` as ``alpha_t h_in`` to its token t, ``alpha_t`` the product
+# of its decays ``exp(dt_s A)`` up to t (a per-head scalar), so ``y_t += alpha_t (h_in C_t)``; and the state after
+# the row's last token is ``final + alpha_T h_in`` (``alpha_T`` 0 unless the row is one document).
+
+
+def forward_state(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max):
+    """``(out, saved)``: ``out`` flat in the compute dtype: ``y [b, T, H, P]`` (from a zero state), each row's state
+    after its last token ``[b, H, P, N]`` and ``alpha [b, T, H]``, the decay from each row's start to each token of
+    its first document (0 on the other tokens)."""
+    k = _Chunks(x, dt, A, B, C, seq_idx, dt_bias, chunk_size, dt_softplus, dt_min, dt_max, pad_continues=True)
+    y, saved = _forward(k, x, D)
+    final = saved[1][:, -1]  # the last chunk's end state: the padding after the last token changes nothing
+    _, alpha = _first_document_decay(k, seq_idx)
+    return torch.cat([y.view(-1), final.reshape(-1), alpha.view(-1)]), [t.contiguous().view(-1) for t in saved]
+
+
+def _first_document_decay(k: _Chunks, seq_idx: Tensor) -> tuple[Tensor, Tensor]:
+    """``(first [b, T, 1], alpha [b, T, H])``: the tokens of each row's first document, and the product of their
+    decays from the row start (a cumsum of their log decays, masked before the sum; 0 elsewhere)."""
+    first = (seq_idx == seq_idx[:, :1])[..., None]
+    log_decay = k.dt.flatten(1, 2)[:, : k.total] * k.A
+    alpha = torch.where(first, log_decay, 0).cumsum(1).masked_fill(~first, -torch.inf).exp()
+    return first, alpha
+
+
+def fake_state(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max):
+    _y, saved = fake(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max)
+    batch, total, heads, head_dim = x.shape
+    size = batch * heads * (total * head_dim + head_dim * B.shape[3] + total)
+    return x.new_empty(size, dtype=scan_dtype(x, dt, A, B, C)), saved
+
+
+def backward_state(grad_out, out, saved, needs_grad, x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus,
+                   dt_min, dt_max):
+    batch, total, heads, head_dim = x.shape
+    sizes = [batch * total * heads * head_dim, batch * heads * head_dim * B.shape[3], batch * total * heads]
+    grad_y, d_final, d_alpha = grad_out.split(sizes)
+    k = _Chunks(x, dt, A, B, C, seq_idx, dt_bias, chunk_size, dt_softplus, dt_min, dt_max, pad_continues=True)
+    first, alpha = _first_document_decay(k, seq_idx)
+    # alpha = exp(cumsum of the first document's log decays): each log decay gets the sum of the later d_alpha alpha
+    d_cumulative = d_alpha.view(alpha.shape) * alpha
+    d_log_decay = torch.where(first, d_cumulative.flip(1).cumsum(1).flip(1), 0)
+    return _backward(k, grad_y.view(x.shape), saved, x, B, D, dt_bias, dt_softplus, dt_min, dt_max,
+                     d_final=d_final.view(batch, heads, head_dim, B.shape[3]), d_log_decay_extra=d_log_decay)
+
+
+PATH_STATE = Path(forward=forward_state, backward=backward_state, fake=fake_state)
