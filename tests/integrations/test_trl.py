@@ -120,7 +120,7 @@ def test_trl_padding_free_collator_emits_valid_boundaries(pad_to_multiple_of, pa
 # `accelerate launch --dynamo_use_fullgraph --dynamo_use_dynamic` sets): Trainer itself passes dynamic=None.
 FULLGRAPH_DYNAMIC = {"ACCELERATE_DYNAMO_USE_FULLGRAPH": "1", "ACCELERATE_DYNAMO_USE_DYNAMIC": "1"}
 STEPS = 4  # batches of 3 samples: 4 packed rows of different lengths and document counts
-# fp32 losses of the compiled routed run against the eager run with TRL's own head, every step (measured <= 4.8e-7)
+# fp32 losses of the compiled routed run against the eager run with TRL's own head, every step (measured: qwen3_5 <= 9.5e-7, bamba equal)
 STEP_TOLERANCE = 1e-5
 
 
@@ -158,7 +158,7 @@ def eager_losses_with_trls_own_head(model, tmp_path, monkeypatch, bf16: bool = F
 def test_sft_trainer_compiled_one_graph_no_break_no_recompile(family_name, bf16, tmp_path, monkeypatch):
     """Patch, then SFTTrainer (its head is routed as TRL adds it), torch_compile=True with fullgraph and dynamic
     shapes: 4 steps of varied packed rows compile 1 graph (forward, loss and backward), 0 breaks. Losses against the
-    eager run with TRL's own head: fp32, every step within 1e-5 (measured <= 4.8e-7); bf16 autocast (SFTConfig's
+    eager run with TRL's own head: fp32, every step within 1e-5 (measured <= 9.5e-7); bf16 autocast (SFTConfig's
     default), the first step (same weights) within 1e-6 (measured: equal), later ones within the bf16 rounding of
     the updates (measured <= 2.3e-4)."""
     for key, value in FULLGRAPH_DYNAMIC.items():
