@@ -96,8 +96,10 @@ def patch(
             here directly selects it too). See docs/context-parallel.md.
         lm_head: ``"chunked"``: a forward given ``labels`` computes the LM head and its loss a chunk of tokens at a
             time, never holding the ``[T, V]`` logits (``logits`` is then None; see docs/long-rows.md). None (the
-            default) keeps the stock head. Either way, a TRL fused LM head on the model (``SFTTrainer``'s) is routed
-            to compilepack's op so that it compiles to one graph, whether the trainer adds it before or after.
+            default) leaves the head as it is: the stock one, or the chunked one an earlier ``patch`` installed (a
+            second ``patch``, by a trainer integration say, keeps it; :func:`unpatch` removes it). Either way, a TRL
+            fused LM head on the model (``SFTTrainer``'s) is routed to compilepack's op so that it compiles to one
+            graph, whether the trainer adds it before or after.
 
     Returns:
         ``model`` itself.
@@ -122,7 +124,7 @@ def patch(
     if state is not None:
         if (state.family, state.backends, _ids(state.modules)) == (family.name, chosen, _ids(m for m, _ in targets)):
             return _install_extensions(model, lm_head=lm_head)
-        unpatch(model)  # another backend, or a partial patch: start from stock
+        _unpatch_layers(model, state)  # another backend, or a partial patch: its layers from stock, the head kept
     _refuse_foreign_forwards([m for m, _ in targets])
     for module, forward in targets:
         module.forward = PatchedForward(forward, module, family.name, chosen)
@@ -146,9 +148,13 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
             wrapper would keep calling compilepack. Nothing is changed; remove the other tool's wrapper first.
     """
     state = patch_state(model)
-    if state is None:
-        _remove_extensions(model)
-        return model
+    if state is not None:
+        _unpatch_layers(model, state)
+    _remove_extensions(model)
+    return model
+
+
+def _unpatch_layers(model: torch.nn.Module, state: PatchState) -> None:
     wrapped = [m for m in state.modules if not isinstance(m.__dict__["forward"], PatchedForward)]
     if wrapped:
         raise PatchConflictError(
@@ -159,8 +165,6 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
         )
     for module in state.modules:
         del module.__dict__["forward"]
-    _remove_extensions(model)
-    return model
 
 
 def is_patched(model: torch.nn.Module) -> bool:

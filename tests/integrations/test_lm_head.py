@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 
 import compilepack
+from compilepack.backends import resolve
+from compilepack.patching import patch_state
 import compilepack.lm_head as chunked_head
 from compilepack.errors import CompilepackError, IncompatibleTransformersError
 from compilepack.lm_head import ChunkedCausalLMForward
@@ -174,6 +176,11 @@ def test_signature_pickling_copies_and_unpatch():
             assert isinstance(restored.__dict__["forward"], ChunkedCausalLMForward)
             assert restored.forward.module is restored
             assert torch.equal(restored(**batch).loss, want)
+    # patched again without lm_head (as a trainer integration does), with the same backends or others: the head stays
+    for backend in ("auto", "reference"):
+        compilepack.patch(chunked, backend=backend)
+        assert isinstance(chunked.__dict__["forward"], ChunkedCausalLMForward), backend
+        assert patch_state(chunked).backends == resolve(backend)
     compilepack.unpatch(chunked)
     assert "forward" not in chunked.__dict__ and not compilepack.is_patched(chunked)
 
