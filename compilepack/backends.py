@@ -76,10 +76,25 @@ FLOORS: dict[str, Floor] = {
         "the chunk-scan backward before 2.2.3 gives wrong gradients or illegal memory accesses (mamba #537)",
         "pip install -U 'mamba-ssm>=2.2.3'",
     ),
+    # seen on the lent H200 (2026-12-04): torch 2.11's op takes 10 arguments, and the call failed on every layout
+    "torch_varlen": Floor(
+        ("torch",), "2.13.0",
+        "the private ops torch.ops.torch_attn._varlen_attn / _varlen_attn_backward take the window and GQA "
+        "arguments compilepack passes from torch 2.13 (torch 2.11's forward takes 10 arguments)",
+        "pip install -U 'torch>=2.13'",
+    ),
 }
 
-# op kind -> how to run it without the library: named in refusals
-_WITHOUT_LIBRARY = {"attention": "torch_varlen", "conv": REFERENCE, "gated_delta": REFERENCE, "ssd": REFERENCE}
+# fla's gated backward (chunk_bwd_dqkwg) is wrong on Hopper with Triton >= 3.4.0 and < 3.7.1 (fla #640), and fla
+# raises there, at the first backward, unless tilelang is installed; compilepack refuses it at patch() time instead
+# (seen on the lent H200, 2026-12-04: Triton 3.6.0, every gated-delta-rule layout refused by fla in the backward)
+_FLA_HOPPER_TRITON = (Version("3.4.0"), Version("3.7.1"))
+
+
+def _without(kind: str, backend: str) -> str:
+    """How to run op kind ``kind`` without ``backend``: the next candidate (named in refusals)."""
+    candidates = CANDIDATES[kind]
+    return candidates[candidates.index(backend) + 1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,12 +121,7 @@ class Backends:
 def is_installed(backend: str) -> bool:
     """True when the backend's package can be imported (checked without importing it)."""
     module = _PROBE_MODULE[backend]
-    if module is None:
-        return True
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
+    return module is None or is_importable(module)
 
 
 def installed_version(backend: str) -> str | None:
@@ -141,8 +151,48 @@ def check_floor(backend: str, kind: str) -> None:
     raise KernelVersionError(
         f"compilepack refuses {backend} for {kind!r} on CUDA: {seen}, and compilepack needs "
         f"{floor.distributions[0]} >= {floor.version} ({floor.why}). Fix: {floor.upgrade}, or run without it: "
-        f"compilepack.patch(model, backend={{{kind!r}: {_WITHOUT_LIBRARY[kind]!r}}}). See docs/kernels.md."
+        f"compilepack.patch(model, backend={{{kind!r}: {_without(kind, backend)!r}}}). See docs/kernels.md."
     )
+
+
+def check_platform(backend: str, kind: str) -> None:
+    """Refuse ``backend`` where the library is known to be wrong on this machine's GPU and compiler (fla's gated
+    backward on Hopper with Triton 3.4 to 3.7.0, fla #640), read from the first visible CUDA device; nothing to check
+    without CUDA."""
+    if backend != "fla" or not _cuda_capability_major() == 9 or is_importable("tilelang"):
+        return
+    triton = _distribution_version("triton")
+    low, high = _FLA_HOPPER_TRITON
+    if triton is not None and low <= triton < high:
+        raise KernelVersionError(
+            f"compilepack refuses fla for {kind!r} on this Hopper GPU: Triton {triton} is installed, and fla's gated "
+            f"backward (chunk_bwd_dqkwg, used by the gated delta rule) is wrong with Triton >= {low} and < {high} on "
+            f"Hopper (fla #640; fla raises at the first backward). Fix: pip install -U 'triton>={high}' (with a torch "
+            "built for it), or pip install tilelang, or run without fla: "
+            f"compilepack.patch(model, backend={{{kind!r}: {_without(kind, backend)!r}}}). See docs/kernels.md."
+        )
+
+
+def _cuda_capability_major() -> int | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability()[0]
+
+
+def is_importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _distribution_version(distribution: str) -> Version | None:
+    try:
+        return Version(importlib.metadata.version(distribution))
+    except (importlib.metadata.PackageNotFoundError, InvalidVersion):
+        return None
 
 
 def resolve(backend: str | dict[str, str] | Backends = "auto") -> Backends:
@@ -177,6 +227,7 @@ def resolve(backend: str | dict[str, str] | Backends = "auto") -> Backends:
         else:
             chosen[kind] = next(name for name in candidates if is_installed(name))
         check_floor(chosen[kind], kind)
+        check_platform(chosen[kind], kind)
     if overrides:
         raise ValueError(f"unknown op kinds in backend=: {sorted(overrides)}; expected {sorted(CANDIDATES)}.")
     return Backends(**chosen)

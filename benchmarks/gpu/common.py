@@ -198,6 +198,26 @@ def guarded(context, check):
         return {**context, "error": describe(error)}
 
 
+def usable_backends() -> tuple[backends.Backends, dict[str, str]]:
+    """The backends a GPU run patches with: per op kind the first installed candidate that compilepack admits here
+    (``auto`` refuses a library below its floor or wrong on this GPU instead of passing it over), and each refusal
+    met on the way ("kind:backend" -> its message), so one refused library still leaves the others checked."""
+    chosen, refused = {}, {}
+    for kind, candidates in backends.CANDIDATES.items():
+        for name in candidates:
+            if not backends.is_installed(name):
+                continue
+            try:
+                backends.check_floor(name, kind)
+                backends.check_platform(name, kind)
+            except backends.KernelVersionError as refusal:
+                refused[f"{kind}:{name}"] = str(refusal)
+                continue
+            chosen[kind] = name
+            break
+    return backends.Backends(**chosen), refused
+
+
 def environment(device):
     info = {
         "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
@@ -205,6 +225,8 @@ def environment(device):
         "installed": {name: backends.is_installed(name) for name in KERNEL_BACKENDS},
         "versions": {name: backends.installed_version(name) for name in backends.FLOORS},
         "auto_backends": guarded({}, lambda: backends.resolve("auto").describe()),
+        "checked_backends": usable_backends()[0].describe(),
+        "refused_backends": usable_backends()[1],
     }
     try:
         import triton

@@ -16,7 +16,7 @@ import compilepack
 
 from ..configs import bench_config
 from ..worker import stock_path
-from .common import COLLATE, guarded, max_err, op_cases, run_op, synchronize
+from .common import COLLATE, guarded, max_err, op_cases, run_op, synchronize, usable_backends
 from .ops import kernel_paths
 
 # ------------------------------------------------------------------------------------------------ recompiles
@@ -127,7 +127,7 @@ def _lengths(rng, count, low, high):
 def check_family(name, device, dtype, smoke, compile_backend):
     torch.manual_seed(0)
     stock = AutoModelForCausalLM.from_config(bench_config(name)).to(device=device, dtype=dtype).eval()
-    patched = compilepack.patch(copy.deepcopy(stock))
+    patched = compilepack.patch(copy.deepcopy(stock), backend=usable_backends()[0])
     vocab = stock.config.get_text_config().vocab_size
     rng = random.Random(1)
     result = {"family": name, "backends": compilepack.patching.patch_state(patched).backends.describe(),

@@ -22,6 +22,7 @@ from .common import (
     relative_err,
     run_op,
     synchronize,
+    usable_backends,
 )
 from .long_rows import run_probe
 
@@ -71,10 +72,7 @@ def _packed_vs_alone(call, tensors, token_dims, lengths, backend, packed):
 
 
 def check_ops(device, dtype, lengths):
-    try:
-        chosen = backends.resolve("auto")
-    except backends.KernelVersionError as refusal:  # a library below its floor: the finding, and nothing to run
-        return [{"error": describe(refusal)}]
+    chosen, _ = usable_backends()  # a refused library is recorded in the environment; its kind runs the next one
     results = []
     for name, (make, kind) in op_cases(device).items():
         results.append(guarded({"op": name}, lambda: check_op(name, make, kind, chosen, dtype, lengths)))
@@ -98,15 +96,28 @@ def kernel_paths(device) -> list[tuple[str, str]]:
 
 
 def check_layout(op, backend, layout, make, dtype):
+    """The kernel on one layout against the fp32 reference, each output and gradient apart, beside the reference's
+    own error in the same dtype: a miss is the kernel's only where it is also over twice that (flash-attention's
+    rule). The first GPU run (2026-12-04) saw KDA's padding-document layout at 0.33 with no way to tell which."""
     lengths, rows = LAYOUTS[layout]
     tensors, _, call = make(lengths, rows, dtype, layout)
-    kernel, kernel_grads = run_op(call, tensors, lengths, rows, backend)
-    fp32, fp32_grads = run_op(call, tensors, lengths, rows, backends.REFERENCE, dtype=torch.float32)
-    errors = [relative_err(kernel, fp32)] + [relative_err(g, f) for g, f in zip(kernel_grads, fp32_grads)
-                                          if g is not None and f is not None]
-    all_finite = finite(kernel, *kernel_grads)
+    kernel = _outputs(*run_op(call, tensors, lengths, rows, backend))
+    same_dtype = _outputs(*run_op(call, tensors, lengths, rows, backends.REFERENCE))
+    fp32 = _outputs(*run_op(call, tensors, lengths, rows, backends.REFERENCE, dtype=torch.float32))
+    names = ["out", *(f"grad{i}" for i in range(len(kernel) - 1))]
+    per_tensor = {
+        name: {"kernel": relative_err(k, f), "reference_same_dtype": relative_err(r, f)}
+        for name, k, r, f in zip(names, kernel, same_dtype, fp32) if k is not None and f is not None
+    }
+    worst = max(e["kernel"] for e in per_tensor.values())
+    within = all(e["kernel"] <= max(TOLERANCE[dtype], 2 * e["reference_same_dtype"]) for e in per_tensor.values())
+    all_finite = finite(*(t for t in kernel if t is not None))
     return {"op": op, "backend": backend, "layout": layout, "lengths": lengths, "rows": rows, "dtype": str(dtype),
-            "finite": all_finite, "relative_error": max(errors), "ok": all_finite and max(errors) <= TOLERANCE[dtype]}
+            "finite": all_finite, "relative_error": worst, "per_tensor": per_tensor, "ok": all_finite and within}
+
+
+def _outputs(out, grads):
+    return [out, *grads]
 
 
 def check_layouts(device, dtype, smoke):

@@ -15,7 +15,7 @@ from compilepack.patching import family_named
 
 from ..configs import bench_config
 from ..worker import stock_path
-from .common import guarded, synchronize
+from .common import guarded, synchronize, usable_backends
 from .compiles import batch_of, documents_of
 
 # ------------------------------------------------------------------------------------------------ speed
@@ -25,7 +25,7 @@ def measure_speed(name, device, dtype, steps, tokens_per_step, compile_backend, 
     config = bench_config(name)
     torch.manual_seed(0)
     stock = AutoModelForCausalLM.from_config(config).to(device=device, dtype=dtype)
-    patched = compilepack.patch(copy.deepcopy(stock))
+    patched = compilepack.patch(copy.deepcopy(stock), backend=usable_backends()[0])
     vocab = config.get_text_config().vocab_size
     rng = random.Random(2)
     batches = []

@@ -247,7 +247,8 @@ def test_int32_bound_at_real_widths(monkeypatch, device, longest_row):
 def _installed(monkeypatch, versions: dict[str, str | None]):
     monkeypatch.setattr(backends, "is_installed", lambda name: name in versions or name in (
         "torch_varlen", backends.REFERENCE))
-    monkeypatch.setattr(backends, "installed_version", lambda name: versions[name])
+    monkeypatch.setattr(backends, "installed_version",
+                        lambda name: versions[name] if name in versions else backends.FLOORS[name].version)
 
 
 @pytest.mark.parametrize(("backend", "kind", "old", "floor"), [
@@ -255,6 +256,7 @@ def _installed(monkeypatch, versions: dict[str, str | None]):
     ("causal_conv1d", "conv", "1.5.0.post8", "1.5.1"),
     ("fla", "gated_delta", "0.5.2", "0.6.0"),
     ("mamba_ssm", "ssd", "2.2.2", "2.2.3"),
+    ("torch_varlen", "attention", "2.11.0+cu130", "2.13.0"),
 ])
 def test_a_library_below_its_floor_is_refused(monkeypatch, backend, kind, old, floor):
     _installed(monkeypatch, {backend: old})
@@ -292,6 +294,33 @@ def test_installed_version_reads_package_metadata_without_importing(monkeypatch)
 
 def test_pyproject_extras_name_the_floors():
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    pinned = {spec.split(">=")[0]: spec.split(">=")[1] for specs in extras.values() for spec in specs if ">=" in spec}
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    specs = [*project["dependencies"], *(spec for specs in extras.values() for spec in specs)]
+    pinned = {spec.split(">=")[0]: spec.split(">=")[1] for spec in specs if ">=" in spec}
     for floor in backends.FLOORS.values():
         assert pinned[floor.distributions[0]] == floor.version.removesuffix(".0"), floor
+
+
+def _hopper_with(monkeypatch, triton: str, tilelang: bool = False, capability: int = 9):
+    monkeypatch.setattr(backends, "_cuda_capability_major", lambda: capability)
+    monkeypatch.setattr(backends, "_distribution_version", lambda name: backends.Version(triton))
+    monkeypatch.setattr(backends, "is_importable", lambda module: tilelang if module == "tilelang" else True)
+
+
+def test_fla_on_hopper_with_a_triton_that_breaks_its_gated_backward_is_refused(monkeypatch):
+    # seen on the lent H200: Triton 3.6.0, fla 0.6.0 raised at the first backward of every gated-delta-rule layout
+    _installed(monkeypatch, {"fla": "0.6.0"})
+    _hopper_with(monkeypatch, "3.6.0")
+    for argument in ("auto", {"gated_delta": "fla"}):
+        with pytest.raises(backends.KernelVersionError, match=r"Triton 3\.6\.0 is installed.*fla #640.*triton>=3\.7\.1"):
+            backends.resolve(argument)
+    assert backends.resolve({"gated_delta": backends.REFERENCE}).gated_delta == backends.REFERENCE
+
+
+@pytest.mark.parametrize(("triton", "tilelang", "capability"), [
+    ("3.7.1", False, 9), ("3.3.1", False, 9), ("3.6.0", True, 9), ("3.6.0", False, 8), ("3.6.0", False, 10),
+])
+def test_fla_is_admitted_where_its_gated_backward_is_right(monkeypatch, triton, tilelang, capability):
+    _installed(monkeypatch, {"fla": "0.6.0"})
+    _hopper_with(monkeypatch, triton, tilelang, capability)
+    assert backends.resolve("auto").gated_delta == "fla"
