@@ -154,7 +154,7 @@ def test_unpatch_refuses_a_decorated_forward():
 
 def test_incompatible_transformers_is_named():
     missing_class = Family("x", LLAMA.modeling, "LlamaModel", {"LlamaGone": (ATTENTION,)})
-    with pytest.raises(IncompatibleTransformersError, match=r"LlamaGone does not exist.*compilepack supports x on transformers>=5.18,<5.25"):
+    with pytest.raises(IncompatibleTransformersError, match=r"LlamaGone does not exist.*compilepack supports x on transformers>=5.18,<5.26"):
         missing_class.forwards(Backends())
     not_calling = Family("x", LLAMA.modeling, "LlamaModel", {"LlamaMLP": (ATTENTION,)})
     with pytest.raises(IncompatibleTransformersError, match="LlamaMLP.forward no longer loads the global ALL_ATTENTION_FUNCTIONS"):

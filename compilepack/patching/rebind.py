@@ -99,6 +99,23 @@ def renamed_copy(function: Callable, renames: Mapping[str, str]) -> Callable:
     return _copy_function(function, _renamed(function.__code__, renames, function), function.__closure__)
 
 
+def named_calls(function: Callable, names: tuple[str, ...]) -> dict[str, bool]:
+    """The calls among ``names`` (as written: ``"self.mixer"``, ``"mamba_selective_scan"``) in ``function``'s
+    undecorated source -> whether every one of them forwards a ``**`` mapping (and so receives the batch's boundary
+    kwargs without threading). Calls absent from the source are absent from the result."""
+    if not names:
+        return {}
+    inner = innermost(function)
+    where = f"{inner.__module__}.{inner.__qualname__}"
+    tree, _ = _module_source(inner, where)
+    forwards: dict[str, bool] = {}
+    for node in ast.walk(_definition(tree, inner.__code__)):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) in names:
+            callee = ast.unparse(node.func)
+            forwards[callee] = forwards.get(callee, True) and any(k.arg is None for k in node.keywords)
+    return forwards
+
+
 def innermost(function: Callable) -> Callable:
     """The undecorated function under a chain of ``functools.wraps`` decorators."""
     while hasattr(function, "__wrapped__"):

@@ -51,6 +51,13 @@ class Replacement:
     kernels: str = ""
     # whether its packed path runs under context parallelism (patch(model, context_parallel=...) refuses others)
     context_parallel: bool = False
+    # stock module functions that newer releases put between a layer's forward and this global (transformers 5.25:
+    # the layer calls ``causal_conv1d_forward(conv1d, x, cache, ...)``, which calls ``causal_conv1d_fn``): a layer
+    # whose forward loads one of them instead of ``global_name`` gets a copy of that function rebound (family.py)
+    via: tuple[str, ...] = ()
+    # a fused kernel a release may drop (transformers 5.25's FalconMamba has no ``mamba_inner_fn`` path): a forward
+    # that no longer loads it has nothing to replace
+    optional: bool = False
 
 
 # ------------------------------------------------------------------------------------------------ attention
@@ -195,7 +202,7 @@ def _make_causal_conv1d(stock: Callable, backends: Backends) -> Callable:
 
 CAUSAL_CONV1D = Replacement(
     "causal_conv1d_fn", _make_causal_conv1d, ("hidden_states", "weight", "bias", "activation"),
-    kernels="conv: causal-conv1d causal_conv1d_fn(seq_idx)", context_parallel=True,
+    kernels="conv: causal-conv1d causal_conv1d_fn(seq_idx)", context_parallel=True, via=("causal_conv1d_forward",),
 )
 
 
@@ -290,7 +297,7 @@ MAMBA2_CHUNK_SCAN = Replacement(
     "mamba2_chunk_scan",
     _make_mamba2_chunk_scan,
     ("hidden_states", "dt", "A", "B", "C", "chunk_size", "D", "dt_bias", "initial_states", "dt_softplus", "dt_limit"),
-    kernels="scan: mamba-ssm mamba_chunk_scan_combined(seq_idx)", context_parallel=True,
+    kernels="scan: mamba-ssm mamba_chunk_scan_combined(seq_idx)", context_parallel=True, via=("mamba2_scan_forward",),
 )
 
 
@@ -309,7 +316,7 @@ def _unfused_when_packed(global_name: str, expected_params: tuple[str, ...], con
         return unfused_when_packed
 
     return Replacement(global_name, make, expected_params, kernels=f"fused {global_name}: never on packed batches",
-                       context_parallel=context_parallel)
+                       context_parallel=context_parallel, optional=True)
 
 
 # A packed batch always takes the mixer's unfused path, its conv and scan each on their CUDA kernel when
@@ -352,6 +359,7 @@ SELECTIVE_SCAN = Replacement(
     ("hidden_states", "dt", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus", "return_last_state"),
     kernels="selective scan: compilepack's reference on every device (mamba-ssm's selective scan cannot reset "
             "inside a row)",
+    via=("mamba_scan_forward",),
 )
 
 

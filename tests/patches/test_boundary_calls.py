@@ -1,6 +1,9 @@
-"""A call named in ``Family.boundary_calls`` must not already pass ``**kwargs`` (or a boundary keyword): threading
-appends the boundary kwargs to it, which would give them twice and fail at run time with "got multiple values for
-keyword argument". ``patch()`` refuses such a family before changing anything, naming the class and the call."""
+"""A call named in ``Family.boundary_calls`` is threaded only where the installed release drops ``**kwargs`` there:
+one that forwards ``**kwargs`` receives the boundaries already (transformers 5.25 forwards them where 5.24 dropped
+them, and one family declaration serves both), so it is left as it is. A call that passes a boundary keyword by
+name cannot take them too (threading would give it twice: "got multiple values for keyword argument"), and a named
+call the forward no longer makes is a declaration the release broke: ``patch()`` refuses both before changing
+anything, naming the class and the call."""
 
 from __future__ import annotations
 
@@ -30,10 +33,25 @@ def test_a_call_that_drops_kwargs_is_threaded():
     assert received == {"cu_seq_lens_q": cu_seqlens}
 
 
-@pytest.mark.parametrize("class_name, passed", [("PassesKwargs", r"\*\*kwargs"), ("PassesSeqIdx", "seq_idx=")])
-def test_a_call_that_already_passes_boundaries_is_refused_at_patch_time(class_name, passed):
+def test_a_call_that_already_forwards_kwargs_is_left_as_it_is():
+    """It receives the boundaries through its own ``**kwargs``; threading it too would pass them twice."""
+    family = Family("stub_forwarding", STUBS, decoder="DropsKwargs", layers={},
+                    boundary_calls={"PassesKwargs": ("self.mixer",)})
+    forward = family.forwards(Backends())[stubs.PassesKwargs]  # threaded, this call would raise "multiple values"
+    cu_seqlens = torch.tensor([0, 2, 5], dtype=torch.int32)
+    received = forward(stubs.PassesKwargs(), torch.zeros(1, 5), cu_seq_lens_q=cu_seqlens, other=1)
+    assert received == {"cu_seq_lens_q": cu_seqlens, "other": 1}
+
+
+def test_a_call_that_passes_a_boundary_keyword_is_refused_at_patch_time():
     with pytest.raises(IncompatibleTransformersError, match=(
-        rf"cannot pass the boundaries through {STUBS}\.{class_name}\.forward: its call self\.mixer\(\.\.\.\) is "
-        rf"named in the family's boundary_calls but already passes {passed}.*Remove 'self\.mixer' from boundary_calls"
+        rf"cannot pass the boundaries through {STUBS}\.PassesSeqIdx\.forward: its call self\.mixer\(\.\.\.\) is "
+        r"named in the family's boundary_calls but already passes seq_idx=.*Remove 'self\.mixer' from boundary_calls"
     )):
-        _family(class_name).forwards(Backends())
+        _family("PassesSeqIdx").forwards(Backends())
+
+
+def test_a_named_call_the_forward_no_longer_makes_is_refused_at_patch_time():
+    family = Family("stub_gone", STUBS, decoder="DropsKwargs", layers={}, boundary_calls={"DropsKwargs": ("self.gone",)})
+    with pytest.raises(IncompatibleTransformersError, match=r"DropsKwargs\.forward no longer calls self\.gone"):
+        family.forwards(Backends())
