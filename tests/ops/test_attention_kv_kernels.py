@@ -6,7 +6,8 @@ op called by parameter name (its arity differs between torch releases), ``enable
 fakes compute with compilepack's reference, so what is tested is the wiring: the kernel path's output and gradients
 equal the reference path's exactly on a rank's slice (a document started on an earlier rank, one that starts
 inside the slice, an empty one, two rows). Control: a fake that attends the slice's own keys only (the query
-boundaries for the keys too, as the single-device path passes them) misses by far. The real kernels run in benchmarks/gpu_check.py."""
+boundaries for the keys too, as the single-device path passes them) misses by far. The real kernels run in
+benchmarks/gpu_check.py."""
 
 from __future__ import annotations
 

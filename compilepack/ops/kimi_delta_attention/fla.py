@@ -49,8 +49,8 @@ def _forward(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale,
         q1, k1, v1, g1, beta1 = rows
         o, final, g_cum, Aqk, Akk = fla.chunk_kda_fwd(
             q=q1, k=k1, v=v1, g=g1, beta=beta1, scale=scale, initial_state=initial_state,
-            output_final_state=initial_state is not None, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices(fla, cu_seqlens, cu_seqlens_cpu, FLA_CHUNK),
-            chunk_size=FLA_CHUNK,
+            output_final_state=initial_state is not None, cu_seqlens=cu_seqlens,
+            chunk_indices=chunk_indices(fla, cu_seqlens, cu_seqlens_cpu, FLA_CHUNK), chunk_size=FLA_CHUNK,
         )[:5]
     saved += [g_cum, Aqk, Akk]
     return o.view(v.shape).to(q.dtype), final, [x.view(*q.shape[:2], *x.shape[2:]) for x in saved]
