@@ -29,6 +29,7 @@ def _check_kv_contract(q, k, v, cu_q, cu_k, max_q, max_k):
         assert x.dim() == 3 and x.is_contiguous(), "varlen kernels want contiguous [T, heads, head_dim]"
     for cu, total in ((cu_q, q.shape[0]), (cu_k, k.shape[0])):
         assert cu.dtype == torch.int32 and cu.device == q.device and cu.shape == cu_q.shape
+        assert int(cu[-1]) == total, "each boundary tensor ends at its own token count"
     assert type(max_q) is int and type(max_k) is int and min(max_q, max_k) >= 2, "bounds: Python ints >= 2"
 
 
