@@ -115,7 +115,7 @@ PATH = Path(forward=forward, backward=backward, fake=fake)
 # tokens whose ``seq_idx`` is 0 (``ssd_state_passing.py`` starts its comparison from id 0, ``ssd_chunk_scan.py``
 # reads the previous id as 0 before the first chunk, and the backward carries nothing into ``dinitial_states`` unless
 # the first chunk's last id is 0), while a rank's slice starts with any document id; the incoming state is added by
-# the caller through ``alpha`` instead. ``alpha`` is ``[b, T, H]``, computed here in torch with its gradient written out.
+# the caller through ``alpha`` instead. ``alpha`` is ``[b, T, H]``, computed here in torch, its gradient written out.
 
 
 def _processed_dt(dt, dt_bias, dt_softplus, dt_min, dt_max, dtype):
