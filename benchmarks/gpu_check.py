@@ -20,6 +20,9 @@ section only while the time budget (``--budget-s``, 480 s: a section started may
    may fault);
 4. recompiles: a stream of varied batches through the Triton ops after one warm-up batch: new JIT variants and
    new autotuning runs per kernel (fla's and mamba-ssm's own caches);
+4b. sequence ops: the sequence mode's state ops (fla, mamba-ssm) and gathered-key attention (flash-attn, torch's
+   varlen) on a rank's slice (a document from an earlier rank, 1-token and empty documents, two rows), outputs,
+   final states and gradients (the initial state's too) against the references (``gpu/sequence.py``);
 5. families: a patched bench model per family in bf16, packed logits vs each document alone, explain
    (graphs/breaks), compiles over 6 varied HF batches, and a compiled (inductor) training step run under
    ``torch.cuda.set_sync_debug_mode("error")``: any device-to-host sync raises and is recorded with its op;
@@ -74,11 +77,12 @@ from .gpu.common import Budget, HEADLINE, environment, guarded
 from .gpu.compiles import check_family, check_recompiles
 from .gpu.long_rows import PROBES, check_long_rows
 from .gpu.ops import check_known_bugs, check_layouts, check_ops
+from .gpu.sequence import check_sequence_ops
 from .gpu.speed import measure_speed
 
 
 # the sections in the order a full run takes them (the ops first: every later section builds on the kernels)
-SECTIONS = ("ops", "layouts", "known_bugs", "recompiles", "families", "long_rows", "speed")
+SECTIONS = ("ops", "layouts", "known_bugs", "recompiles", "sequence_ops", "families", "long_rows", "speed")
 
 
 def _probe_main(name: str, out: str) -> int:
@@ -122,6 +126,7 @@ def main(argv=None) -> int:
         "layouts": lambda: budget.run(30, lambda: check_layouts(device, dtype, args.smoke), {}),
         "known_bugs": lambda: budget.run(30, lambda: check_known_bugs(device, dtype, budget), {}),
         "recompiles": lambda: budget.run(30, lambda: check_recompiles(device, dtype, args.smoke), {}),
+        "sequence_ops": lambda: budget.run(40, lambda: check_sequence_ops(device, dtype, args.smoke), {}),
         "families": lambda: [budget.run(60, lambda n=n: check_family(n, device, dtype, args.smoke, backend),
                                         {"family": n}) for n in names],
         "long_rows": lambda: check_long_rows(device, budget),

@@ -18,7 +18,8 @@ The forward also returns the log-sum-exp ``[H, T]`` (saved for the explicit back
 
 ``compilepack::varlen_attention_kv``: each document's queries attend its keys from separate boundaries
 (``cu_seqlens_q``, ``cu_seqlens_k``, flash-attn's varlen convention, causal aligned at the bottom right): what context
-parallelism over tokens needs (a rank's queries against the gathered keys, ``context_parallel.py``). Reference path.
+parallelism over tokens needs (a rank's queries against the gathered keys, ``context_parallel.py``); on CUDA the same
+kernels as ``varlen_attention`` with separate q / k boundaries (``PATH_KV`` in ``flash_attn.py``, ``torch_varlen.py``).
 """
 
 from __future__ import annotations
@@ -163,6 +164,7 @@ OP_KV = define_op(
     signature=_kv_signature,
     differentiable=("q", "k", "v"),
     reference=reference.PATH_KV,
+    kernels={"flash_attn": flash_attn.PATH_KV, "torch_varlen": torch_varlen.PATH_KV},
     saves_output=True,
     boundaries=("cu_seqlens_q", "cu_seqlens_q_cpu", "cu_seqlens_k", "cu_seqlens_k_cpu"),
 )

@@ -67,3 +67,62 @@ def backward(grad_out, out, saved, needs_grad, q, k, v, cu_seqlens, cu_seqlens_c
 
 
 PATH = Path(forward=forward, backward=backward, fake=fake)
+
+
+# ------------------------------------------------------------------------------------------------ keys beyond queries
+#
+# ``compilepack::varlen_attention_kv``: the same functions with separate query and key boundaries; with ``causal``
+# flash-attn (>= 2.1) aligns the mask at the bottom right of each document, as the reference does. A document with
+# more queries than keys is not that convention: flash-attn leaves its first queries' rows unwritten (flash-attn
+# #1778); the context-parallel caller never builds one, and a direct call is refused on the host copies.
+
+
+def refuse_more_queries_than_keys(cu_seqlens_q_cpu, cu_seqlens_k_cpu) -> None:
+    """Refuse, from the host copies when both are given (free to read), a document with more queries than keys."""
+    if cu_seqlens_q_cpu is None or cu_seqlens_k_cpu is None or cu_seqlens_q_cpu.shape != cu_seqlens_k_cpu.shape:
+        return
+    excess = cu_seqlens_q_cpu.diff() > cu_seqlens_k_cpu.diff()
+    if bool(excess.any()):
+        document = int(excess.nonzero()[0, 0])
+        raise ValueError(
+            f"varlen_attention_kv: document {document} has more queries than keys "
+            f"({int(cu_seqlens_q_cpu.diff()[document])} > {int(cu_seqlens_k_cpu.diff()[document])}); its queries must "
+            "be the last of its keys. The CUDA kernels would leave its first queries' outputs unwritten (flash-attn "
+            "#1778)."
+        )
+
+
+def forward_kv(q, k, v, cu_seqlens_q, cu_seqlens_q_cpu, cu_seqlens_k, cu_seqlens_k_cpu, max_seqlen_q, max_seqlen_k,
+               causal, scale, window_left):
+    refuse_more_queries_than_keys(cu_seqlens_q_cpu, cu_seqlens_k_cpu)
+    flash = backends.load(FLASH_MODULE)
+    left, right = _window(causal, window_left)
+    out, lse, _, _ = flash._flash_attn_varlen_forward(
+        q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens_q, cu_seqlens_k, kernel_max_seqlen(max_seqlen_q),
+        kernel_max_seqlen(max_seqlen_k), dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=left,
+        window_size_right=right, softcap=0.0, alibi_slopes=None, return_softmax=False,
+    )
+    return out[..., : v.shape[-1]].contiguous(), [lse]
+
+
+def fake_kv(q, k, v, cu_seqlens_q, cu_seqlens_q_cpu, cu_seqlens_k, cu_seqlens_k_cpu, max_seqlen_q, max_seqlen_k,
+            causal, scale, window_left):
+    return fake(q, k, v, cu_seqlens_q, cu_seqlens_q_cpu, max_seqlen_q, causal, scale, window_left)
+
+
+def backward_kv(grad_out, out, saved, needs_grad, q, k, v, cu_seqlens_q, cu_seqlens_q_cpu, cu_seqlens_k,
+                cu_seqlens_k_cpu, max_seqlen_q, max_seqlen_k, causal, scale, window_left):
+    flash = backends.load(FLASH_MODULE)
+    (lse,) = saved
+    left, right = _window(causal, window_left)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    flash._flash_attn_varlen_backward(
+        grad_out.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out, lse, dq, dk, dv,
+        cu_seqlens_q, cu_seqlens_k, kernel_max_seqlen(max_seqlen_q), kernel_max_seqlen(max_seqlen_k),
+        dropout_p=0.0, softmax_scale=scale, causal=causal, window_size_left=left, window_size_right=right,
+        softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=None,
+    )
+    return dq, dk, dv
+
+
+PATH_KV = Path(forward=forward_kv, backward=backward_kv, fake=fake_kv)

@@ -16,7 +16,7 @@ import torch
 
 from ... import backends
 from .._scaffold import Path
-from .flash_attn import kernel_max_seqlen
+from .flash_attn import kernel_max_seqlen, refuse_more_queries_than_keys
 from .reference import NO_WINDOW
 
 TORCH_VARLEN_MODULE = "torch.nn.attention.varlen"
@@ -60,3 +60,48 @@ def backward(grad_out, out, saved, needs_grad, q, k, v, cu_seqlens, cu_seqlens_c
 
 
 PATH = Path(forward=forward, backward=backward, fake=fake)
+
+
+# ------------------------------------------------------------------------------------------------ keys beyond queries
+#
+# ``compilepack::varlen_attention_kv`` on torch's varlen ops, separate query and key boundaries (flash-attn's
+# bottom-right causal alignment, as in ``flash_attn.py``). torch's private forward op has changed its parameters
+# between releases (14 in 2.13 with ``enable_gqa``; other builds have 10, or 16 with cache arguments and no
+# ``enable_gqa``), while the first seven and ``is_causal``, ``scale``, ``window_size`` keep their names: they are
+# passed by name, and ``enable_gqa`` only when q has more heads than k (where a build has it; flash kernels without it
+# take grouped heads as they come). The backward op's 14 parameters are the same in the releases read.
+
+
+def forward_kv(q, k, v, cu_seqlens_q, cu_seqlens_q_cpu, cu_seqlens_k, cu_seqlens_k_cpu, max_seqlen_q, max_seqlen_k,
+               causal, scale, window_left):
+    refuse_more_queries_than_keys(cu_seqlens_q_cpu, cu_seqlens_k_cpu)
+    backends.load(TORCH_VARLEN_MODULE)  # registers torch.ops.torch_attn
+    is_causal, window = _window(causal, window_left)
+    grouped = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
+    out, lse, _ = torch.ops.torch_attn._varlen_attn(
+        q.contiguous(), k.contiguous(), v.contiguous(), cu_seqlens_q, cu_seqlens_k, kernel_max_seqlen(max_seqlen_q),
+        kernel_max_seqlen(max_seqlen_k), is_causal=is_causal, scale=scale, window_size=window, **grouped,
+    )
+    return out, [lse]
+
+
+def fake_kv(q, k, v, cu_seqlens_q, cu_seqlens_q_cpu, cu_seqlens_k, cu_seqlens_k_cpu, max_seqlen_q, max_seqlen_k,
+            causal, scale, window_left):
+    return fake(q, k, v, cu_seqlens_q, cu_seqlens_q_cpu, max_seqlen_q, causal, scale, window_left)
+
+
+def backward_kv(grad_out, out, saved, needs_grad, q, k, v, cu_seqlens_q, cu_seqlens_q_cpu, cu_seqlens_k,
+                cu_seqlens_k_cpu, max_seqlen_q, max_seqlen_k, causal, scale, window_left):
+    backends.load(TORCH_VARLEN_MODULE)
+    (lse,) = saved
+    is_causal, window = _window(causal, window_left)
+    rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: the state is unused
+    dq, dk, dv = torch.ops.torch_attn._varlen_attn_backward(
+        grad_out.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), out, lse, cu_seqlens_q, cu_seqlens_k,
+        kernel_max_seqlen(max_seqlen_q), kernel_max_seqlen(max_seqlen_k), is_causal, rng_state, scale=scale,
+        window_size=window,
+    )
+    return dq, dk, dv
+
+
+PATH_KV = Path(forward=forward_kv, backward=backward_kv, fake=fake_kv)

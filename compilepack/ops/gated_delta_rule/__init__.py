@@ -8,7 +8,8 @@ exactly the output it gets when run alone.
 
 ``compilepack::gated_delta_rule_varlen_state`` is the same op with a state in and out (each row's first document
 starts from a given state; each row's last state is returned): what context parallelism over tokens needs
-(``context_parallel.py``). Reference path only.
+(``context_parallel.py``); on CUDA fla's chunk kernels with one initial and final state per document
+(``fla.py``).
 """
 
 from __future__ import annotations
@@ -112,5 +113,5 @@ def _state_signature(
 OP_STATE = define_op(
     "compilepack::gated_delta_rule_varlen_state", signature=_state_signature,
     differentiable=("q", "k", "v", "g", "beta", "initial_state"), reference=reference.PATH_STATE,
-    boundaries=("cu_seqlens", "cu_seqlens_cpu"),
+    kernels={"fla": fla.PATH_STATE}, boundaries=("cu_seqlens", "cu_seqlens_cpu"),
 )

@@ -11,7 +11,7 @@ state: q, k ``[B, T, H, K]``, v ``[B, T, HV, V]``, g ``[B, T, HV, K]``, beta ``[
 - ``naive.py``: the token-by-token recurrence per document, the tests' oracle.
 
 ``compilepack::kimi_delta_attention_varlen_state``: the same op with a state in and out, for context parallelism over
-tokens (as ``compilepack::gated_delta_rule_varlen_state``). Reference path only.
+tokens (as ``compilepack::gated_delta_rule_varlen_state``); on CUDA fla's chunk kernels (``fla.py``).
 """
 
 from __future__ import annotations
@@ -96,5 +96,5 @@ def _state_signature(
 OP_STATE = define_op(
     "compilepack::kimi_delta_attention_varlen_state", signature=_state_signature,
     differentiable=("q", "k", "v", "g", "beta", "initial_state"), reference=reference.PATH_STATE,
-    boundaries=("cu_seqlens", "cu_seqlens_cpu"),
+    kernels={"fla": fla.PATH_STATE}, kernel_applies=fla.state_applies, boundaries=("cu_seqlens", "cu_seqlens_cpu"),
 )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ... import backends
-from .._fla import chunk_indices, flat_row, kernel_device
+from .._fla import chunk_indices, flat_row, kernel_device, state_path
 from .._scaffold import Path
 
 FLA_CHUNK = 64  # fla's default KDA chunk size (what the saved Aqk, Akk are shaped by)
@@ -25,7 +25,19 @@ def applies(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale) 
     return q.shape[-1] <= FLA_MAX_K
 
 
+def state_applies(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, initial_state, use_qk_l2norm, scale) -> bool:
+    """:func:`applies` for the state op."""
+    return q.shape[-1] <= FLA_MAX_K
+
+
 def forward(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
+    o, _, saved = _forward(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale)
+    return o, saved
+
+
+def _forward(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale, initial_state=None):
+    """fla's forward: ``(o, final states per document or None, saved)``; from ``initial_state`` ``[N, HV, K, V]``
+    (one per document, float32 as fla asserts) when given, which also asks for the final states."""
     fla = backends.load(FLA_MODULE)
     rows = [flat_row(x) for x in (q, k, v, g, beta)]
     cu_seqlens = cu_seqlens.to(torch.int32)
@@ -35,13 +47,13 @@ def forward(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
             rows[i], rstd = fla.l2norm_fwd(rows[i])
             saved += [rows[i], rstd]
         q1, k1, v1, g1, beta1 = rows
-        o, _, g_cum, Aqk, Akk = fla.chunk_kda_fwd(
-            q=q1, k=k1, v=v1, g=g1, beta=beta1, scale=scale, initial_state=None, output_final_state=False,
-            cu_seqlens=cu_seqlens, chunk_indices=chunk_indices(fla, cu_seqlens, cu_seqlens_cpu, FLA_CHUNK),
-            chunk_size=FLA_CHUNK,
+        o, final, g_cum, Aqk, Akk = fla.chunk_kda_fwd(
+            q=q1, k=k1, v=v1, g=g1, beta=beta1, scale=scale, initial_state=initial_state,
+            output_final_state=initial_state is not None, cu_seqlens=cu_seqlens,
+            chunk_indices=chunk_indices(fla, cu_seqlens, cu_seqlens_cpu, FLA_CHUNK), chunk_size=FLA_CHUNK,
         )[:5]
     saved += [g_cum, Aqk, Akk]
-    return o.view(v.shape).to(q.dtype), [x.view(*q.shape[:2], *x.shape[2:]) for x in saved]
+    return o.view(v.shape).to(q.dtype), final, [x.view(*q.shape[:2], *x.shape[2:]) for x in saved]
 
 
 def fake(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
@@ -55,20 +67,30 @@ def fake(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
 
 
 def backward(do, o, saved, needs_grad, q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
+    return _backward(do, saved, q, k, v, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale)[:5]
+
+
+def _backward(do, saved, q, k, v, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale, initial_state=None,
+              d_final=None):
+    """fla's backward: ``(dq, dk, dv, dg, dbeta, d_initial)``; ``initial_state`` and ``d_final`` (the final states'
+    gradient) one per document, as :func:`_forward` took them."""
     fla = backends.load(FLA_MODULE)
     saved = [flat_row(x) for x in saved]
     g_cum, Aqk, Akk = saved[-3:]
     unit_q, q_rstd, unit_k, k_rstd = saved[:4] if use_qk_l2norm else (flat_row(q), None, flat_row(k), None)
     cu_seqlens = cu_seqlens.to(torch.int32)
     with kernel_device(q):
-        dq, dk, dv, dbeta, dg = fla.chunk_kda_bwd(
+        dq, dk, dv, dbeta, dg, d_initial = fla.chunk_kda_bwd(
             q=unit_q, k=unit_k, v=flat_row(v), beta=flat_row(beta), Aqk=Aqk, Akk=Akk, scale=scale,
-            initial_state=None, do=flat_row(do), dht=None, g=g_cum, cu_seqlens=cu_seqlens,
+            initial_state=initial_state, do=flat_row(do), dht=d_final, g=g_cum, cu_seqlens=cu_seqlens,
             chunk_indices=chunk_indices(fla, cu_seqlens, cu_seqlens_cpu, FLA_CHUNK), chunk_size=FLA_CHUNK,
-        )[:5]
+        )[:6]
         if use_qk_l2norm:
             dq, dk = fla.l2norm_bwd(unit_q, q_rstd, dq), fla.l2norm_bwd(unit_k, k_rstd, dk)
-    return dq, dk, dv, dg, dbeta
+    return dq, dk, dv, dg, dbeta, d_initial
 
 
 PATH = Path(forward=forward, backward=backward, fake=fake)
+
+# ``compilepack::kimi_delta_attention_varlen_state``: as the gated delta rule's (``_fla.py``)
+PATH_STATE = state_path(_forward, fake, _backward)

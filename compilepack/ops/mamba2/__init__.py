@@ -12,7 +12,7 @@ Layout as mamba-ssm's ``mamba_chunk_scan_combined`` and transformers' ``mamba2_c
 
 ``compilepack::mamba2_chunk_scan_varlen_state``: the scan from a zero state with what adding an incoming state takes
 (each row's final state, the first document's decays): what context parallelism over tokens needs
-(``context_parallel.py``). Reference path only.
+(``context_parallel.py``); on CUDA mamba-ssm's chunk scan with ``return_final_states`` (``mamba_ssm.py``).
 """
 
 from __future__ import annotations
@@ -156,5 +156,6 @@ OP_STATE = define_op(
     signature=_signature,
     differentiable=("x", "dt", "A", "B", "C", "D", "dt_bias"),
     reference=reference.PATH_STATE,
+    kernels={"mamba_ssm": mamba_ssm.PATH_STATE},
     boundaries=("seq_idx",),
 )

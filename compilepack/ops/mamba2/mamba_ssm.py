@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from ... import backends
 from .._scaffold import Path
@@ -104,3 +105,92 @@ def backward(grad_y, y, saved, needs_grad, x, dt, A, B, C, seq_idx, D, dt_bias, 
 
 
 PATH = Path(forward=forward, backward=backward, fake=fake)
+
+
+# ------------------------------------------------------------------------------------------------ with a state
+#
+# ``compilepack::mamba2_chunk_scan_varlen_state``: the scan from a zero state, each row's final state and ``alpha``
+# (see ``reference.py``). The library gives the first two (``return_final_states``; its backward takes
+# ``dfinal_states``); no initial state is handed to it: in mamba-ssm 2.3.2.post1 an initial state reaches only the
+# tokens whose ``seq_idx`` is 0 (``ssd_state_passing.py`` starts its comparison from id 0, ``ssd_chunk_scan.py``
+# reads the previous id as 0 before the first chunk, and the backward carries nothing into ``dinitial_states`` unless
+# the first chunk's last id is 0), while a rank's slice starts with any document id; the incoming state is added by
+# the caller through ``alpha`` instead. ``alpha`` is ``[b, T, H]``, computed here in torch, its gradient written out.
+
+
+def _processed_dt(dt, dt_bias, dt_softplus, dt_min, dt_max, dtype):
+    """``(dt processed as the kernel does it: bias, softplus, clamp; its derivative in the raw dt)`` in ``dtype``."""
+    biased = dt.to(dtype) if dt_bias is None else dt.to(dtype) + dt_bias.to(dtype)
+    activated = F.softplus(biased) if dt_softplus else biased
+    slope = torch.sigmoid(biased).masked_fill(biased > 20, 1) if dt_softplus else torch.ones_like(biased)
+    inside = (activated >= dt_min) & (activated <= dt_max)  # clamped values get no gradient
+    return activated.clamp(min=dt_min, max=dt_max), slope * inside
+
+
+def _first_document_decay(dt_processed, A, seq_idx):
+    """``(first [b, T, 1], alpha [b, T, H])``: each row's first-document tokens, and the product of ``exp(dt_s A)``
+    from the row's start to each of them (0 elsewhere)."""
+    first = (seq_idx == seq_idx[:, :1])[..., None]
+    log_decay = torch.where(first, dt_processed * A.to(dt_processed.dtype), 0)
+    return first, log_decay.cumsum(1).masked_fill(~first, -torch.inf).exp()
+
+
+def _alpha_grads(d_alpha, dt, A, seq_idx, dt_bias, dt_softplus, dt_min, dt_max, dtype):
+    """``alpha``'s share of the gradients of dt, A and dt_bias. Explicit: a custom op's body runs below autograd.
+    alpha = exp(cumsum of the first document's log decays dt_s A): each log decay gets the sum of the later
+    d_alpha * alpha."""
+    dt_processed, slope = _processed_dt(dt, dt_bias, dt_softplus, dt_min, dt_max, dtype)
+    first, alpha = _first_document_decay(dt_processed, A, seq_idx)
+    d_log_decay = torch.where(first, (d_alpha.to(dtype) * alpha).flip(1).cumsum(1).flip(1), 0)
+    d_dt = d_log_decay * A.to(dtype) * slope
+    d_A = (d_log_decay * dt_processed).sum((0, 1))
+    return d_dt, d_A, None if dt_bias is None else d_dt.sum((0, 1))
+
+
+def forward_state(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max):
+    if not fits_int32_offsets(x, B, chunk_size):
+        out, _ = reference.forward_state(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max)
+        return out, []
+    ssd = backends.load(SSD_COMBINED)
+    dtype = reference.scan_dtype(x, dt, A, B, C)
+    y, final = ssd.mamba_chunk_scan_combined(
+        x.contiguous(), dt.contiguous(), A.contiguous(), B.contiguous(), C.contiguous(), chunk_size,
+        D=_contiguous(D), z=None, dt_bias=_contiguous(dt_bias), seq_idx=seq_idx.to(torch.int32).contiguous(),
+        dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max), return_final_states=True,
+    )
+    _, alpha = _first_document_decay(_processed_dt(dt, dt_bias, dt_softplus, dt_min, dt_max, dtype)[0], A, seq_idx)
+    return torch.cat([y.reshape(-1).to(dtype), final.reshape(-1).to(dtype), alpha.reshape(-1)]), []
+
+
+def fake_state(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max):
+    out, _ = reference.fake_state(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max)
+    return out, []
+
+
+def backward_state(grad_out, out, saved, needs_grad, x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus,
+                   dt_min, dt_max):
+    inputs = (x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max)
+    if not fits_int32_offsets(x, B, chunk_size):  # the reference's backward, from its own forward (recomputed)
+        out_reference, saved_reference = reference.forward_state(*inputs)
+        return reference.backward_state(grad_out, out_reference, saved_reference, needs_grad, *inputs)
+    batch, total, heads, head_dim = x.shape
+    sizes = [batch * total * heads * head_dim, batch * heads * head_dim * B.shape[3], batch * total * heads]
+    grad_y, d_final, d_alpha = grad_out.split(sizes)
+    ssd = backends.load(SSD_COMBINED)
+    dx, ddt, dA, dB, dC, dD, _dz, ddt_bias, _dinitial = ssd._mamba_chunk_scan_combined_bwd(
+        grad_y.view(x.shape).to(x.dtype).contiguous(), x.contiguous(), dt.contiguous(), A.contiguous(),
+        # ``out``: without a gate z the library reads only its shape (2.3.2.post1), so x stands in: nothing is saved
+        B.contiguous(), C.contiguous(), x, chunk_size, D=_contiguous(D), z=None, dt_bias=_contiguous(dt_bias),
+        initial_states=None, dfinal_states=d_final.view(batch, heads, head_dim, B.shape[3]).float().contiguous(),
+        seq_idx=seq_idx.to(torch.int32).contiguous(), dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max),
+    )
+    dtype = reference.scan_dtype(x, dt, A, B, C)
+    ddt_alpha, dA_alpha, ddt_bias_alpha = _alpha_grads(d_alpha.view(batch, total, heads), dt, A, seq_idx, dt_bias,
+                                                       dt_softplus, dt_min, dt_max, dtype)
+    ddt = ddt + ddt_alpha
+    dA = dA + dA_alpha
+    ddt_bias = None if dt_bias is None else ddt_bias + ddt_bias_alpha
+    return dx, ddt, dA, dB, dC, dD, ddt_bias
+
+
+PATH_STATE = Path(forward=forward_state, backward=backward_state, fake=fake_state)

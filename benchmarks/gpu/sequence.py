@@ -1,0 +1,136 @@
+"""GPU check section: the sequence mode's ops (context parallelism over tokens) on their kernels vs the references.
+
+The state ops (``gated_delta_rule_varlen_state`` and ``kimi_delta_attention_varlen_state`` on fla,
+``mamba2_chunk_scan_varlen_state`` on mamba-ssm) and gathered-key attention (``varlen_attention_kv`` on flash-attn
+and on torch's varlen ops), each on one rank's slice as the sequence mode builds it: a first document that started
+on an earlier rank (a nonzero initial state; keys reaching back before the slice), 1-token and empty documents, two
+rows. Outputs (the final states too) and every input gradient (the initial state's too) by the ops section's rule:
+kernel error vs an fp32 reference <= 2x the same-dtype reference's, or within the dtype's tolerance. Small on
+purpose (2 x 1024 tokens): the section's time is the kernels' first compilation.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from compilepack import backends
+from compilepack.distributed import scan
+from compilepack.ops.attention import varlen_attention_kv
+from compilepack.ops.gated_delta_rule import gated_delta_rule_varlen_state
+from compilepack.ops.kimi_delta_attention import kimi_delta_attention_varlen_state
+from compilepack.ops.mamba2 import mamba2_chunk_scan_varlen_state
+from .common import TOLERANCE, cu_of, finite, guarded, max_err, relative_err
+
+# a rank's slice of two rows: row 0 = (empty), 300 tokens of a document from the previous rank, 1, (empty), 723;
+# row 1 = 1 token of a document from the previous rank, 64, 959
+SLICE_LENGTHS, ROWS = [0, 300, 1, 0, 723, 1, 64, 959], 2
+SMOKE_SLICE_LENGTHS = [0, 10, 1, 0, 5, 1, 6, 9]
+# gathered-key attention, rank 1 of 2 over rows of 2048: its queries are tokens 1024-2047, its keys 0-2047
+ATTENTION_LENGTHS, ATTENTION_WORLD = [300, 1, 900, 847, 1024, 1000, 24], 2
+SMOKE_ATTENTION_LENGTHS = [3, 1, 9, 3, 8, 6, 2]
+
+
+def _run(call, tensors, backend, dtype):
+    """The outputs (flattened, fp32) and every input gradient of ``call`` with ``backend``, inputs cast to dtype."""
+    inputs = [t.to(dtype).detach().requires_grad_() for t in tensors]
+    outputs = call(inputs, backend)
+    generator = torch.Generator(device=inputs[0].device).manual_seed(1)
+    weights = [torch.randn(o.shape, device=o.device, generator=generator, dtype=o.dtype) for o in outputs]
+    grads = torch.autograd.grad(outputs, inputs, weights, allow_unused=True)
+    return torch.cat([o.float().reshape(-1) for o in outputs]), [g.float() for g in grads if g is not None]
+
+
+def _compare(name, call, tensors, backend, dtype):
+    """The ops section's rule on outputs and gradients: the kernel within 2x the same-dtype reference's error vs
+    fp32 (or within the dtype's tolerance)."""
+    kernel, kernel_grads = _run(call, tensors, backend, dtype)
+    same, same_grads = _run(call, tensors, backends.REFERENCE, dtype)
+    fp32, fp32_grads = _run(call, tensors, backends.REFERENCE, torch.float32)
+    entries, ok = [], finite(kernel, *kernel_grads)
+    for what, k, s, f in [("out", kernel, same, fp32)] + [
+            (f"grad {i}", *g) for i, g in enumerate(zip(kernel_grads, same_grads, fp32_grads))]:
+        entry = {"what": what, "kernel_vs_fp32": max_err(k, f), "reference_same_dtype_vs_fp32": max_err(s, f),
+                 "relative": relative_err(k, f)}
+        ok &= entry["kernel_vs_fp32"] <= 2 * entry["reference_same_dtype_vs_fp32"] + 1e-5 or (
+            entry["relative"] <= TOLERANCE[dtype])
+        entries.append(entry)
+    return {"op": name, "backend": backend, "dtype": str(dtype), "errors": entries, "ok": bool(ok)}
+
+
+def _delta_rule_case(state_op, per_channel, lengths, device, width):
+    generator = torch.Generator().manual_seed(0)
+    rows, length = ROWS, sum(lengths) // ROWS
+    q, k = (torch.randn(rows, length, 2, width, generator=generator) for _ in range(2))
+    v = torch.randn(rows, length, 4, width, generator=generator)
+    decay = F.logsigmoid(torch.randn(rows, length, 4, *((width,) if per_channel else ()), generator=generator) + 3)
+    beta = torch.rand(rows, length, 4, generator=generator)
+    initial = torch.randn(rows, 4, width, width, generator=generator) * 0.1
+    cu = cu_of(lengths, device)
+
+    def call(inputs, backend):
+        *tokens, h0 = inputs
+        return state_op(*tokens, cu, h0, use_qk_l2norm=True, cu_seqlens_cpu=cu.cpu(), backend=backend)
+
+    return call, [t.to(device) for t in (q, k, v, decay, beta, initial)]
+
+
+def _mamba2_case(lengths, device, width):
+    generator = torch.Generator().manual_seed(0)
+    rows, length = ROWS, sum(lengths) // ROWS
+    x = torch.randn(rows, length, 8, width, generator=generator)
+    dt = torch.randn(rows, length, 8, generator=generator) * 0.5 - 2
+    A = -torch.rand(8, generator=generator) - 0.5
+    B, C = (torch.randn(rows, length, 1, 2 * width, generator=generator) for _ in range(2))
+    D, dt_bias = torch.rand(8, generator=generator), torch.rand(8, generator=generator) * 0.1
+    cu = cu_of(lengths, "cpu")
+    seq_idx = (torch.searchsorted(cu, torch.arange(rows * length, dtype=cu.dtype), right=True) - 1 + 5)
+    seq_idx = seq_idx.view(rows, length).to(device)  # a slice's global ids: the first is not 0
+
+    def call(inputs, backend):
+        x, dt, A, B, C, D, dt_bias = inputs
+        return mamba2_chunk_scan_varlen_state(x, dt, A, B, C, 4 * width, D=D, dt_bias=dt_bias, dt_softplus=True,
+                                              seq_idx=seq_idx, backend=backend)
+
+    return call, [t.to(device) for t in (x, dt, A, B, C, D, dt_bias)]
+
+
+def _attention_case(lengths, device, width):
+    length = sum(lengths) // ROWS
+    local = length // ATTENTION_WORLD
+    cu = cu_of(lengths, "cpu")
+    cu_q = scan.local_cu_seqlens(cu, ROWS, length, local * (ATTENTION_WORLD - 1), local)
+    cu_k = scan.local_cu_seqlens(cu, ROWS, length, 0, length)
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(ROWS * local, 8, 2 * width, generator=generator)
+    k, v = (torch.randn(ROWS * length, 2, 2 * width, generator=generator) for _ in range(2))
+
+    def call(inputs, backend):
+        return (varlen_attention_kv(*inputs, cu_q.to(device), cu_k.to(device), local, length,
+                                    cu_seqlens_q_cpu=cu_q, cu_seqlens_k_cpu=cu_k, backend=backend),)
+
+    return call, [t.to(device) for t in (q, k, v)]
+
+
+def check_sequence_ops(device, dtype, smoke):
+    """Every sequence-mode op on each installed kernel library of its kind (on CPU: the references, so the plumbing
+    runs)."""
+    lengths = SMOKE_SLICE_LENGTHS if smoke else SLICE_LENGTHS
+    attention_lengths = SMOKE_ATTENTION_LENGTHS if smoke else ATTENTION_LENGTHS
+    width = 8 if smoke else 64  # head width (K = V for the delta rules, P for Mamba2; twice it for attention)
+    cases = {
+        "gated_delta_rule_varlen_state": (("fla",), lambda: _delta_rule_case(
+            gated_delta_rule_varlen_state, False, lengths, device, width)),
+        "kimi_delta_attention_varlen_state": (("fla",), lambda: _delta_rule_case(
+            kimi_delta_attention_varlen_state, True, lengths, device, width)),
+        "mamba2_chunk_scan_varlen_state": (("mamba_ssm",), lambda: _mamba2_case(lengths, device, width)),
+        "varlen_attention_kv": (("flash_attn", "torch_varlen"),
+                                lambda: _attention_case(attention_lengths, device, width)),
+    }
+    results = []
+    for name, (libraries, make) in cases.items():
+        chosen = [b for b in libraries if device.type == "cuda" and backends.is_installed(b)] or [backends.REFERENCE]
+        for backend in chosen:
+            results.append(guarded({"op": name, "backend": backend},
+                                   lambda n=name, m=make, b=backend: _compare(n, *m(), b, dtype)))
+    return results
