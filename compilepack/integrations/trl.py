@@ -22,6 +22,23 @@ When: :func:`compilepack.patch` routes a head it finds on the model (head added 
 ``trl.trainer.utils`` is imported) so that a head added to a patched model later is routed as it is added (patch
 first). The wrapper changes nothing for a model compilepack did not patch. ``compilepack.unpatch`` puts TRL's own
 head back. A head left unrouted is never hidden: :func:`compilepack.explain` shows its two breaks.
+
+Which TRL (every 1.x release checked, 2026-12-04; docs/integrations.md, "Upstream releases"):
+
+- 1.0 to 1.14: no fused head (``add_fused_lm_head`` does not exist; SFTTrainer takes the loss from the model's own
+  forward, which compilepack patches). Nothing to route, nothing hooked.
+- 1.15: a head compilepack does not recognise (it always scores ``hidden[mask]``, a data-dependent shape, and its
+  kernel is None without Triton). Left as TRL made it, with one :class:`UnroutedTrlHeadWarning`.
+- 1.16: routed. A later TRL is routed only while its head loads the same globals and its kernel takes the same
+  arguments; otherwise it is left alone with the same one warning. ``patch()`` never fails for what TRL has or lacks.
+
+Why renamed globals and an import hook, not a supported seam. Looked for, in TRL 1.15 and 1.16: a registry or hook
+for the head's kernel in ``trl.kernels`` (none: ``ChunkedLogProbFunction`` is imported by name into
+``trl.trainer.utils`` and read as a module global); an ``SFTConfig`` option to skip the head or choose its kernel
+(none: ``SFTTrainer.__init__`` calls ``add_fused_lm_head`` unconditionally); a trainer method to override
+(``compute_loss``: only a user's subclass could, not ``patch()``); transformers' hub-kernel hooks
+(``use_kernel_forward_from_hub``: TRL's head does not go through them). The import hook is needed only when
+``patch()`` runs before TRL is imported, and it leaves ``sys.meta_path`` as soon as ``trl.trainer.utils`` loads.
 """
 
 from __future__ import annotations
@@ -34,10 +51,11 @@ import importlib.util
 import inspect
 import sys
 import types
+import warnings
 
 import torch
 
-from ..errors import CompilepackError, IncompatibleTransformersError
+from ..errors import CompilepackError
 from ..ops.lm_head import lm_head_logprobs
 from ..patching.api import ModelExtension, is_patched, register_extension
 from ..patching.rebind import private_name, renamed_copy
@@ -48,6 +66,14 @@ _ROUTES = {
     "_ChunkedLogProbFunction": "ChunkedLogProb", "_use_triton": "_never", "maybe_gather_lm_head_ctx": "_no_gather",
 }
 _KEY = "trl"
+# The arguments TRL 1.16's head passes its kernel (``_ChunkedLogProbFunction.forward``), which ChunkedLogProb takes
+_KERNEL_PARAMETERS = ("ctx", "hidden", "weight", "bias", "targets", "temperature", "chunk_size",
+                      "final_logit_softcapping", "logit_scale", "outputs")
+ROUTED_TRL = "1.16"  # the releases whose head is routed (tests/integrations/test_trl.py)
+
+
+class UnroutedTrlHeadWarning(UserWarning):
+    """TRL's fused LM head was left as TRL made it: correct, but a compiled step breaks its graph there."""
 
 
 class ChunkedLogProb:
@@ -121,17 +147,19 @@ def is_trl_head(forward) -> bool:
 def route(module: torch.nn.Module) -> bool:
     """Route TRL's fused head on ``module`` (its instance ``forward``) to compilepack's op; True if it did.
 
+    A head compilepack does not recognise (TRL 1.15's, or a later TRL's that loads other globals or passes its kernel
+    other arguments) is left alone, with one :class:`UnroutedTrlHeadWarning` per process.
+
     Raises:
-        IncompatibleTransformersError: this TRL's head no longer loads the globals compilepack renames.
         CompilepackError: DeepSpeed ZeRO-3 is enabled.
     """
     forward = module.__dict__.get("forward")
-    if not is_trl_head(forward):
+    if not is_trl_head(forward) or not _recognised(forward.__func__):
         return False
     _refuse_zero3()
     trl_utils = sys.modules[TRL_UTILS]
     function = forward.__func__
-    renames = _install(trl_utils, function)
+    renames = _install(trl_utils)
     routed = renamed_copy(function, renames)  # TRL's head itself: what it wraps is the model's own forward
     module.forward = RoutedFusedHead(routed, module, forward)
     return True
@@ -159,13 +187,16 @@ def hook_add_fused_lm_head() -> bool:
     """Wrap TRL's ``add_fused_lm_head`` (in ``trl.trainer.utils`` and every imported ``trl`` module that imported
     it by name: ``sft_trainer``, ``grpo_trainer``, ...) so that a head added to a compilepack-patched model is routed
     as it is added. Idempotent. While TRL is not imported yet, the wrap is made as ``trl.trainer.utils`` is imported
-    (before any trainer module imports the function from it). Returns whether the hook is in place now."""
+    (before any trainer module imports the function from it). Returns whether the hook is in place now (False too
+    when this TRL has no ``add_fused_lm_head``: nothing to wrap)."""
     trl_utils = sys.modules.get(TRL_UTILS)
     if trl_utils is None:
         if not any(isinstance(finder, _HookOnImport) for finder in sys.meta_path):
             sys.meta_path.insert(0, _HookOnImport())
         return False
-    original = trl_utils.add_fused_lm_head
+    original = getattr(trl_utils, "add_fused_lm_head", None)
+    if original is None:  # TRL 1.0 to 1.14: no fused head; SFTTrainer calls the (patched) model's own forward
+        return False
     original = getattr(original, "__compilepack_original__", original)
     hooked = _hooked(original)
     for name, module in list(sys.modules.items()):
@@ -220,8 +251,8 @@ def _route_added(model, original, args, kwargs) -> None:
     (``torch.compile(patched)`` handed to the trainer) got the head on its ``OptimizedModule``, whose own forward
     would then bypass the compiled code: the head moves to the model inside, which the compiled code calls."""
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
-        inner = model._orig_mod
-        if is_patched(inner):
+        inner, head = model._orig_mod, model.__dict__.get("forward")
+        if is_patched(inner) and is_trl_head(head) and _recognised(head.__func__):
             # the compiled forward TRL replaced comes back (TRL's head kept it as the forward it wraps)
             model.forward = _replaced_forward(model.__dict__["forward"])
             original(inner, *args, **kwargs)
@@ -235,17 +266,7 @@ def _replaced_forward(head):
     return inspect.getclosurevars(head.__func__).nonlocals["original_forward"]
 
 
-def _install(trl_utils: types.ModuleType, function) -> dict[str, str]:
-    loaded = {i.argval for i in dis.get_instructions(function.__code__) if i.opname == "LOAD_GLOBAL"}
-    missing = sorted(set(_ROUTES) - loaded)
-    if missing:
-        import trl
-
-        raise IncompatibleTransformersError(
-            f"cannot route TRL {trl.__version__}'s fused LM head: its _fused_forward no longer loads {missing}. "
-            "compilepack routes TRL 1.16's head; pin trl==1.16 or remove the head's routing by leaving the model "
-            "unpatched until this TRL is supported."
-        )
+def _install(trl_utils: types.ModuleType) -> dict[str, str]:
     renames = {}
     for name, ours in _ROUTES.items():
         renames[name] = private_name(_KEY, name)
@@ -253,10 +274,55 @@ def _install(trl_utils: types.ModuleType, function) -> dict[str, str]:
     return renames
 
 
+def _recognised(function) -> bool:
+    """Whether TRL's ``_fused_forward`` is one compilepack routes; if not, warn once (see ``route``)."""
+    problem = _unrecognised_because(function)
+    if problem is not None:
+        _warn_unrouted(problem)
+    return problem is None
+
+
+def _unrecognised_because(function) -> str | None:
+    loaded = {i.argval for i in dis.get_instructions(function.__code__) if i.opname == "LOAD_GLOBAL"}
+    missing = sorted(set(_ROUTES) - loaded)
+    if missing:
+        return f"its _fused_forward does not load {missing}"
+    kernel = getattr(sys.modules[TRL_UTILS], "_ChunkedLogProbFunction", None)
+    forward = getattr(kernel, "forward", None)
+    if not callable(forward):
+        return "its _ChunkedLogProbFunction is missing (TRL leaves it None without Triton)"
+    parameters = tuple(inspect.signature(forward).parameters)
+    if parameters != _KERNEL_PARAMETERS:
+        return f"its _ChunkedLogProbFunction takes {parameters}, not {_KERNEL_PARAMETERS}"
+    return None
+
+
+_warned_versions: set[str] = set()
+
+
+def _warn_unrouted(problem: str) -> None:
+    import trl
+
+    if trl.__version__ in _warned_versions:
+        return
+    _warned_versions.add(trl.__version__)
+    warnings.warn(
+        f"compilepack does not recognise TRL {trl.__version__}'s fused LM head ({problem}), so it is left as TRL made "
+        f"it: the loss stays TRL's own, but a compiled training step will break the graph there "
+        f"(compilepack.explain(model, batch) shows the breaks). compilepack routes the head of TRL {ROUTED_TRL} into "
+        f"one graph: pip install 'trl=={ROUTED_TRL}.*' for a compiled SFTTrainer, or silence "
+        "compilepack.integrations.trl.UnroutedTrlHeadWarning to train with TRL's head.",
+        UnroutedTrlHeadWarning,
+        stacklevel=3,
+    )
+
+
 def _head_codes(trl_utils: types.ModuleType) -> tuple[types.CodeType, ...]:
     """The code objects of ``_fused_forward`` nested in TRL's ``add_fused_lm_head`` (whatever wraps it)."""
-    adder = trl_utils.add_fused_lm_head
+    adder = getattr(trl_utils, "add_fused_lm_head", None)
     adder = getattr(adder, "__compilepack_original__", adder)
+    if not isinstance(adder, types.FunctionType):  # TRL 1.0 to 1.14
+        return ()
     return tuple(c for c in adder.__code__.co_consts if isinstance(c, types.CodeType) and c.co_name == "_fused_forward")
 
 
