@@ -41,10 +41,16 @@ from tests.integrations.common import (  # noqa: E402
 )
 from tests.models import build_pair  # noqa: E402
 
-# TRL 1.15 on: SFTTrainer adds its fused LM head (routed by compilepack from 1.16). TRL 1.0 to 1.14: no head, the loss
-# is the patched model's own; the same tests run there (CI's oldest-admitted stage) with the head's checks skipped.
+# TRL 1.15 on: SFTTrainer adds its fused LM head (routed by compilepack from 1.16). TRL 1.5 to 1.14: with
+# loss_type="chunked_nll" (1.14's default) it installs its chunked cross-entropy head instead, routed too. The same tests
+# run on both (CI's oldest-admitted stage); the tests of add_fused_lm_head itself are skipped without it.
 HAS_FUSED_HEAD = hasattr(importlib.import_module("trl.trainer.utils"), "add_fused_lm_head")
 needs_head = pytest.mark.skipif(not HAS_FUSED_HEAD, reason=f"TRL {trl.__version__} has no fused LM head")
+
+
+def adds_a_head(args) -> bool:
+    """Whether SFTTrainer with these arguments installs a TRL LM head on the model (which compilepack routes)."""
+    return HAS_FUSED_HEAD or getattr(args, "loss_type", None) == "chunked_nll"
 
 
 def word_tokenizer(vocab_size: int = 256):
@@ -85,7 +91,7 @@ def test_sft_trainer_padding_free_compiled_first_step_equals_per_sample_loss(tmp
 
     first = assert_first_step_equals_per_sample_loss(trainer, stock, samples)
     assert "attention_mask" not in first
-    assert isinstance(trainer.model.__dict__["forward"], RoutedFusedHead) or not HAS_FUSED_HEAD
+    assert isinstance(trainer.model.__dict__.get("forward"), RoutedFusedHead) == adds_a_head(args)
     graphs, breaks = dynamo_counts()
     assert breaks == 0 and graphs <= 2, (graphs, breaks)
 
@@ -154,8 +160,8 @@ def eager_losses_with_trls_own_head(model, tmp_path, monkeypatch, bf16: bool = F
         monkeypatch.delenv(key)
     AcceleratorState._reset_state(reset_partial_state=True)
     trainer = sft_trainer(model, tmp_path / "eager", compile_=False, bf16=bf16)
-    assert unroute_all(trainer.model) == HAS_FUSED_HEAD
-    assert is_trl_head(trainer.model.__dict__.get("forward")) == HAS_FUSED_HEAD
+    assert unroute_all(trainer.model) == adds_a_head(trainer.args)
+    assert is_trl_head(trainer.model.__dict__.get("forward")) == adds_a_head(trainer.args)
     trainer.train()
     return trainer.recorded_losses
 
@@ -174,7 +180,7 @@ def test_sft_trainer_compiled_one_graph_no_break_no_recompile(family_name, bf16,
     model = compilepack.patch(build_tiny(family_named(family_name)))
     reference_model = copy.deepcopy(model)
     trainer = sft_trainer(model, tmp_path, compile_=True, bf16=bf16)
-    assert isinstance(trainer.model.__dict__.get("forward"), RoutedFusedHead) == HAS_FUSED_HEAD
+    assert isinstance(trainer.model.__dict__.get("forward"), RoutedFusedHead) == adds_a_head(trainer.args)
     trainer.train()
     assert dynamo_counts() == (1, 0)
     eager = eager_losses_with_trls_own_head(reference_model, tmp_path, monkeypatch, bf16=bf16)
@@ -188,12 +194,17 @@ def test_sft_trainer_given_a_model_compiled_by_the_recipe(tmp_path):
     """torch.compile(patch(model), fullgraph=True, dynamic=True) handed to SFTTrainer: TRL puts its head on the
     compiled wrapper, whose forward would then bypass the compiled code; compilepack moves the head into the model
     the compiled code calls, routed: 1 graph, 0 breaks over the run."""
+    import trl.trainer.sft_trainer as sft_trainer
+
+    if not HAS_FUSED_HEAD and hasattr(sft_trainer, "_patch_chunked_ce_lm_head"):
+        pytest.skip(f"TRL {trl.__version__}'s chunked_nll head cannot be added to a compiled model: TRL's own "
+                    "_patch_chunked_ce_lm_head reads original_forward.__func__ (AttributeError, compilepack or not)")
     torch.manual_seed(0)
     model = compilepack.patch(build_tiny(family_named("llama")))
     compiled = torch.compile(model, fullgraph=True, dynamic=True, backend="aot_eager")
     trainer = sft_trainer(compiled, tmp_path, compile_=False)
     assert trainer.model is compiled and "forward" in compiled.__dict__  # the compiled forward is back
-    assert isinstance(model.__dict__.get("forward"), RoutedFusedHead) == HAS_FUSED_HEAD
+    assert isinstance(model.__dict__.get("forward"), RoutedFusedHead) == adds_a_head(trainer.args)
     trainer.train()
     assert dynamo_counts() == (1, 0) and len(trainer.recorded_losses) == STEPS
 

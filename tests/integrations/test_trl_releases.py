@@ -100,3 +100,38 @@ def test_head_without_a_kernel_is_left_alone(monkeypatch):
     with pytest.warns(UnroutedTrlHeadWarning, match="_ChunkedLogProbFunction is missing"):
         compilepack.patch(model)
     assert is_trl_head(model.__dict__["forward"])
+
+
+def chunked_ce_installer():
+    import trl.trainer.sft_trainer as sft_trainer
+
+    installer = getattr(sft_trainer, "_patch_chunked_ce_lm_head", None)
+    return getattr(installer, "__compilepack_original__", installer)
+
+
+@pytest.mark.skipif(chunked_ce_installer() is None, reason="this TRL has no chunked_nll head (TRL 1.5 to 1.14 have)")
+def test_chunked_ce_head_of_trl_1_14_is_routed_into_one_graph():
+    """TRL 1.5-1.14's ``loss_type="chunked_nll"`` head (SFTTrainer's default in 1.14), added before patch: routed,
+    1 graph 0 breaks, and its loss, correct-token count and entropy sum equal TRL's own (fp32). The control: TRL's own
+    head on the same patched model breaks the graph (its loop runs a number of chunks read from the data)."""
+    model = tiny_llama()
+    chunked_ce_installer()(model, chunk_size=16)  # small chunks: several in TRL's loop
+    trl_head = model.__dict__["forward"]
+    batch = hf_batch(random_docs(model.config.vocab_size, [30, 5, 20]))
+    compilepack.patch(model)
+    routed = model.__dict__["forward"]
+    assert isinstance(routed, RoutedFusedHead) and routed.trl_forward is trl_head
+    report = compilepack.explain(model, batch, backward=True)
+    assert (report.graphs, report.graph_breaks) == (1, 0), report
+    with torch.no_grad():
+        ours = model(**batch)
+        model.forward = trl_head
+        theirs = model(**batch)
+    assert abs(ours.loss.item() - theirs.loss.item()) <= 1e-6
+    assert ours.num_correct_tokens == theirs.num_correct_tokens and ours.num_valid_tokens == theirs.num_valid_tokens
+    assert abs(ours.entropy_sum.item() - theirs.entropy_sum.item()) <= 1e-4 * abs(theirs.entropy_sum.item())
+    report = compilepack.explain(model, batch, backward=True)  # the control: TRL's own head, not routed
+    assert report.graph_breaks >= 1, report
+    model.forward = routed
+    compilepack.unpatch(model)
+    assert model.__dict__["forward"] is trl_head
