@@ -25,8 +25,11 @@ head back. A head left unrouted is never hidden: :func:`compilepack.explain` sho
 
 Which TRL (every 1.x release checked, 2026-12-04; docs/integrations.md, "Upstream releases"):
 
-- 1.0 to 1.14: no fused head (``add_fused_lm_head`` does not exist; SFTTrainer takes the loss from the model's own
-  forward, which compilepack patches). Nothing to route, nothing hooked.
+- 1.0 to 1.4: no head of TRL's own (SFTTrainer takes the loss from the model's forward, which compilepack patches).
+- 1.5 to 1.14: no fused head, but ``SFTConfig(loss_type="chunked_nll")`` (1.14's default) installs a chunked
+  cross-entropy head (``trl.trainer.sft_trainer._patch_chunked_ce_lm_head``) that loops over a number of chunks
+  read from the data (a graph break): routed the same way (``_chunked_cross_entropy_loss`` ->
+  :func:`chunked_cross_entropy_loss`).
 - 1.15: a head compilepack does not recognise (it always scores ``hidden[mask]``, a data-dependent shape, and its
   kernel is None without Triton). Left as TRL made it, with one :class:`UnroutedTrlHeadWarning`.
 - 1.16: routed. A later TRL is routed only while its head loads the same globals and its kernel takes the same
