@@ -89,9 +89,10 @@ def run_in_venv(pins: dict[str, str], tests: list[str], venv: Path, pytest_args:
     if install.returncode != 0:
         return "not installed", _last_line(install.stderr)
     subprocess.run(pip + ["--no-deps", "-e", str(ROOT)], env=env, check=True)
-    done = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", *tests, *pytest_args],
-                          cwd=ROOT, env=env, capture_output=True, text=True)
-    print(done.stdout[-3000:], file=sys.stderr)
+    # --show-capture=no: a failure's captured logs (dynamo's DEBUG lines) would bury its assertion
+    done = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", "--tb=short",
+                           "--show-capture=no", *tests, *pytest_args], cwd=ROOT, env=env, capture_output=True, text=True)
+    print(done.stdout[-6000:], file=sys.stderr)
     return summarize(done.stdout)
 
 
