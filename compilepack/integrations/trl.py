@@ -22,11 +22,32 @@ When: :func:`compilepack.patch` routes a head it finds on the model (head added 
 ``trl.trainer.utils`` is imported) so that a head added to a patched model later is routed as it is added (patch
 first). The wrapper changes nothing for a model compilepack did not patch. ``compilepack.unpatch`` puts TRL's own
 head back. A head left unrouted is never hidden: :func:`compilepack.explain` shows its two breaks.
+
+Which TRL (every 1.x release checked, 2026-12-04; docs/integrations.md, "Upstream releases"):
+
+- 1.0 to 1.4: no head of TRL's own (SFTTrainer takes the loss from the model's forward, which compilepack patches).
+- 1.5 to 1.14: no fused head, but ``SFTConfig(loss_type="chunked_nll")`` (1.14's default) installs a chunked
+  cross-entropy head (``trl.trainer.sft_trainer._patch_chunked_ce_lm_head``) that loops over a number of chunks
+  read from the data (a graph break): routed the same way (``_chunked_cross_entropy_loss`` ->
+  :func:`chunked_cross_entropy_loss`).
+- 1.15: a head compilepack does not recognise (it always scores ``hidden[mask]``, a data-dependent shape, and its
+  kernel is None without Triton). Left as TRL made it, with one :class:`UnroutedTrlHeadWarning`.
+- 1.16: routed. A later TRL is routed only while its head loads the same globals and its kernel takes the same
+  arguments; otherwise it is left alone with the same one warning. ``patch()`` never fails for what TRL has or lacks.
+
+Why renamed globals and an import hook, not a supported seam. Looked for, in TRL 1.15 and 1.16: a registry or hook
+for the head's kernel in ``trl.kernels`` (none: ``ChunkedLogProbFunction`` is imported by name into
+``trl.trainer.utils`` and read as a module global); an ``SFTConfig`` option to skip the head or choose its kernel
+(none: ``SFTTrainer.__init__`` calls ``add_fused_lm_head`` unconditionally); a trainer method to override
+(``compute_loss``: only a user's subclass could, not ``patch()``); transformers' hub-kernel hooks
+(``use_kernel_forward_from_hub``: TRL's head does not go through them). The import hook is needed only when
+``patch()`` runs before TRL is imported, and it leaves ``sys.meta_path`` as soon as ``trl.trainer.utils`` loads.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import dis
 import functools
 import importlib.abc
@@ -34,20 +55,53 @@ import importlib.util
 import inspect
 import sys
 import types
+import warnings
 
 import torch
 
-from ..errors import CompilepackError, IncompatibleTransformersError
+from ..errors import CompilepackError
 from ..ops.lm_head import lm_head_logprobs
 from ..patching.api import ModelExtension, is_patched, register_extension
 from ..patching.rebind import private_name, renamed_copy
 
-TRL_UTILS = "trl.trainer.utils"
-# TRL's global name -> the name of compilepack's replacement in this module
-_ROUTES = {
-    "_ChunkedLogProbFunction": "ChunkedLogProb", "_use_triton": "_never", "maybe_gather_lm_head_ctx": "_no_gather",
-}
 _KEY = "trl"
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadKind:
+    """An LM head a TRL trainer installs as the model's instance ``forward``, and how compilepack routes it."""
+
+    module: str  # the TRL module that defines it
+    adder: str  # the function there that installs it on a model
+    head: str  # the name of the forward it installs (a function nested in ``adder``)
+    routes: dict  # TRL global the head loads -> the name of compilepack's replacement in this module
+    kernel: str  # the TRL global whose arguments compilepack's replacement takes
+    kernel_parameters: tuple
+    releases: str  # the TRL releases whose head this is (tests/integrations/test_trl.py runs the oldest and newest)
+
+
+FUSED_HEAD = HeadKind(  # SFTTrainer always adds it (and GRPO, DPO, ... trainers)
+    "trl.trainer.utils", "add_fused_lm_head", "_fused_forward",
+    {"_ChunkedLogProbFunction": "ChunkedLogProb", "_use_triton": "_never", "maybe_gather_lm_head_ctx": "_no_gather"},
+    "_ChunkedLogProbFunction",
+    ("ctx", "hidden", "weight", "bias", "targets", "temperature", "chunk_size", "final_logit_softcapping",
+     "logit_scale", "outputs"),
+    "1.16",
+)
+CHUNKED_CE_HEAD = HeadKind(  # SFTTrainer's loss_type="chunked_nll" (the default in 1.14)
+    "trl.trainer.sft_trainer", "_patch_chunked_ce_lm_head", "_chunked_ce_forward",
+    {"_chunked_cross_entropy_loss": "chunked_cross_entropy_loss"},
+    "_chunked_cross_entropy_loss",
+    ("hidden_states", "lm_head_weight", "chunk_size", "labels", "shift_labels", "num_items_in_batch", "logit_scale",
+     "final_logit_softcapping", "lm_head_bias"),
+    "1.5 to 1.14",
+)
+HEADS = (FUSED_HEAD, CHUNKED_CE_HEAD)
+TRL_UTILS = FUSED_HEAD.module
+
+
+class UnroutedTrlHeadWarning(UserWarning):
+    """TRL's fused LM head was left as TRL made it: correct, but a compiled step breaks its graph there."""
 
 
 class ChunkedLogProb:
@@ -109,36 +163,76 @@ class RoutedFusedHead:
         return f"<TRL fused LM head of {type(self.module).__name__}, routed to compilepack::lm_head_logprobs>"
 
 
-def is_trl_head(forward) -> bool:
-    """Whether ``forward`` (a module's instance ``forward``) is TRL's fused head, as ``add_fused_lm_head`` binds it."""
+def chunked_cross_entropy_loss(hidden_states, lm_head_weight, chunk_size, labels=None, shift_labels=None,
+                               num_items_in_batch=None, logit_scale=1.0, final_logit_softcapping=None,
+                               lm_head_bias=None):
+    """Stands in for TRL 1.5-1.14's ``_chunked_cross_entropy_loss``: the same (loss, number of correct tokens, entropy
+    sum, number of valid tokens), computed by ``compilepack::lm_head_logprobs`` over every position, ``-100`` masked
+    after (TRL sorts the valid tokens first and loops over a number of chunks read from the data: a graph break).
+    TRL's ``chunk_size`` does not apply: the op tiles tokens, a whole vocabulary row at a time."""
+    if labels is None and shift_labels is None:
+        raise ValueError("At least one of `labels` or `shift_labels` must be provided.")
+    if shift_labels is None:
+        hidden, targets = hidden_states[..., :-1, :], labels[..., 1:]
+    else:
+        hidden, targets = hidden_states, shift_labels
+    hidden, targets = hidden.reshape(-1, hidden.size(-1)), targets.reshape(-1)
+    stats = lm_head_logprobs(hidden, lm_head_weight, lm_head_bias, targets, logit_scale=logit_scale,
+                             softcap=final_logit_softcapping, stats=("entropy", "is_top1"))
+    valid = targets != -100
+    n_valid = valid.sum()
+    loss = -stats.log_probs.sum()  # 0 where the target is ignored
+    correct = (stats.is_top1 & valid).sum().float()
+    entropy_sum = (stats.entropy * valid).sum()
+    if num_items_in_batch is None:
+        loss = loss / n_valid.clamp(min=1)
+    else:
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss, correct, entropy_sum, n_valid
+
+
+def head_kind(forward) -> HeadKind | None:
+    """Which TRL head ``forward`` (a module's instance ``forward``) is, as TRL's adder binds it; None if none."""
     function = getattr(forward, "__func__", None)
-    trl_utils = sys.modules.get(TRL_UTILS)
-    if trl_utils is None or not isinstance(forward, types.MethodType) or not isinstance(function, types.FunctionType):
-        return False
-    return function.__globals__ is trl_utils.__dict__ and function.__code__ in _head_codes(trl_utils)
+    if not isinstance(forward, types.MethodType) or not isinstance(function, types.FunctionType):
+        return None
+    for kind in HEADS:
+        module = sys.modules.get(kind.module)
+        if module is not None and function.__globals__ is module.__dict__ and function.__code__ in _head_codes(kind):
+            return kind
+    return None
+
+
+def is_trl_head(forward) -> bool:
+    """Whether ``forward`` (a module's instance ``forward``) is an LM head a TRL trainer installed."""
+    return head_kind(forward) is not None
 
 
 def route(module: torch.nn.Module) -> bool:
-    """Route TRL's fused head on ``module`` (its instance ``forward``) to compilepack's op; True if it did.
+    """Route TRL's LM head on ``module`` (its instance ``forward``) to compilepack's op; True if it did.
+
+    A head compilepack does not recognise (TRL 1.15's, or a later TRL's that loads other globals or passes its kernel
+    other arguments) is left alone, with one :class:`UnroutedTrlHeadWarning` per process.
 
     Raises:
-        IncompatibleTransformersError: this TRL's head no longer loads the globals compilepack renames.
         CompilepackError: DeepSpeed ZeRO-3 is enabled.
     """
     forward = module.__dict__.get("forward")
-    if not is_trl_head(forward):
+    kind = head_kind(forward)
+    if kind is None or not _recognised(kind, forward.__func__):
         return False
     _refuse_zero3()
-    trl_utils = sys.modules[TRL_UTILS]
     function = forward.__func__
-    renames = _install(trl_utils, function)
+    renames = _install(kind)
     routed = renamed_copy(function, renames)  # TRL's head itself: what it wraps is the model's own forward
     module.forward = RoutedFusedHead(routed, module, forward)
     return True
 
 
 def unroute(module: torch.nn.Module) -> bool:
-    """Put TRL's own fused head back on ``module``; True if it carried a routed one."""
+    """Put TRL's own head back on ``module``; True if it carried a routed one."""
     forward = module.__dict__.get("forward")
     if not isinstance(forward, RoutedFusedHead):
         return False
@@ -147,7 +241,7 @@ def unroute(module: torch.nn.Module) -> bool:
 
 
 def route_all(model: torch.nn.Module) -> int:
-    """Route every TRL fused head within ``model`` (a PEFT wrapper's base model included); returns how many."""
+    """Route every TRL head within ``model`` (a PEFT wrapper's base model included); returns how many."""
     return sum(route(module) for module in model.modules())
 
 
@@ -155,31 +249,43 @@ def unroute_all(model: torch.nn.Module) -> int:
     return sum(unroute(module) for module in model.modules())
 
 
-def hook_add_fused_lm_head() -> bool:
-    """Wrap TRL's ``add_fused_lm_head`` (in ``trl.trainer.utils`` and every imported ``trl`` module that imported
-    it by name: ``sft_trainer``, ``grpo_trainer``, ...) so that a head added to a compilepack-patched model is routed
-    as it is added. Idempotent. While TRL is not imported yet, the wrap is made as ``trl.trainer.utils`` is imported
-    (before any trainer module imports the function from it). Returns whether the hook is in place now."""
-    trl_utils = sys.modules.get(TRL_UTILS)
-    if trl_utils is None:
-        if not any(isinstance(finder, _HookOnImport) for finder in sys.meta_path):
-            sys.meta_path.insert(0, _HookOnImport())
-        return False
-    original = trl_utils.add_fused_lm_head
-    original = getattr(original, "__compilepack_original__", original)
-    hooked = _hooked(original)
-    for name, module in list(sys.modules.items()):
-        if (name == "trl" or name.startswith("trl.")) and getattr(module, "add_fused_lm_head", None) is original:
-            module.add_fused_lm_head = hooked
-    return True
+def hook_trl_heads() -> bool:
+    """Wrap the function that installs each TRL head (``add_fused_lm_head`` in ``trl.trainer.utils`` and in every
+    imported ``trl`` module that imported it by name; ``_patch_chunked_ce_lm_head`` in ``trl.trainer.sft_trainer``)
+    so that a head added to a compilepack-patched model is routed as it is added. Idempotent. While a module is not
+    imported yet, the wrap is made as it is imported (before any trainer module imports the function from it).
+    Returns whether any wrap is in place now (False when this TRL installs no head: nothing to wrap)."""
+    hooked_any = False
+    for kind in HEADS:
+        module = sys.modules.get(kind.module)
+        if module is None:
+            if not any(isinstance(f, _HookOnImport) and f.fullname == kind.module for f in sys.meta_path):
+                sys.meta_path.insert(0, _HookOnImport(kind.module))
+            continue
+        original = getattr(module, kind.adder, None)
+        if original is None:  # this TRL does not have this head (1.0-1.14: no fused head; 1.15 on: no chunked CE)
+            continue
+        original = getattr(original, "__compilepack_original__", original)
+        hooked = _hooked(original)
+        for name, holder in list(sys.modules.items()):
+            if (name == "trl" or name.startswith("trl.")) and getattr(holder, kind.adder, None) is original:
+                setattr(holder, kind.adder, hooked)
+        hooked_any = True
+    return hooked_any
+
+
+hook_add_fused_lm_head = hook_trl_heads  # the name before TRL 1.14's chunked CE head was routed too
 
 
 class _HookOnImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: when ``trl.trainer.utils`` is imported, it wraps the loader so that
-    :func:`hook_add_fused_lm_head` runs right after the module's code, then leaves ``sys.meta_path``."""
+    """Finds nothing itself: when ``fullname`` (a TRL module defining a head) is imported, it wraps the loader so
+    that :func:`hook_trl_heads` runs right after the module's code, then leaves ``sys.meta_path``."""
+
+    def __init__(self, fullname: str):
+        self.fullname = fullname
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != TRL_UTILS:
+        if fullname != self.fullname:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(fullname)
@@ -197,7 +303,7 @@ class _HookingLoader(importlib.abc.Loader):
 
     def exec_module(self, module):
         self.loader.exec_module(module)
-        hook_add_fused_lm_head()
+        hook_trl_heads()
 
     def __getattr__(self, name):  # get_source, get_filename, ...: the wrapped loader's
         return getattr(self.loader, name)
@@ -206,13 +312,13 @@ class _HookingLoader(importlib.abc.Loader):
 @functools.cache
 def _hooked(original):
     @functools.wraps(original)
-    def add_fused_lm_head(model, *args, **kwargs):
+    def add_head(model, *args, **kwargs):
         result = original(model, *args, **kwargs)
         _route_added(model, original, args, kwargs)
         return result
 
-    add_fused_lm_head.__compilepack_original__ = original
-    return add_fused_lm_head
+    add_head.__compilepack_original__ = original
+    return add_head
 
 
 def _route_added(model, original, args, kwargs) -> None:
@@ -220,10 +326,11 @@ def _route_added(model, original, args, kwargs) -> None:
     (``torch.compile(patched)`` handed to the trainer) got the head on its ``OptimizedModule``, whose own forward
     would then bypass the compiled code: the head moves to the model inside, which the compiled code calls."""
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
-        inner = model._orig_mod
-        if is_patched(inner):
+        inner, head = model._orig_mod, model.__dict__.get("forward")
+        kind = head_kind(head)
+        if is_patched(inner) and kind is not None and _recognised(kind, head.__func__):
             # the compiled forward TRL replaced comes back (TRL's head kept it as the forward it wraps)
-            model.forward = _replaced_forward(model.__dict__["forward"])
+            model.forward = _replaced_forward(head)
             original(inner, *args, **kwargs)
             route(inner)
     elif is_patched(model):
@@ -235,29 +342,66 @@ def _replaced_forward(head):
     return inspect.getclosurevars(head.__func__).nonlocals["original_forward"]
 
 
-def _install(trl_utils: types.ModuleType, function) -> dict[str, str]:
-    loaded = {i.argval for i in dis.get_instructions(function.__code__) if i.opname == "LOAD_GLOBAL"}
-    missing = sorted(set(_ROUTES) - loaded)
-    if missing:
-        import trl
-
-        raise IncompatibleTransformersError(
-            f"cannot route TRL {trl.__version__}'s fused LM head: its _fused_forward no longer loads {missing}. "
-            "compilepack routes TRL 1.16's head; pin trl==1.16 or remove the head's routing by leaving the model "
-            "unpatched until this TRL is supported."
-        )
+def _install(kind: HeadKind) -> dict[str, str]:
+    namespace = sys.modules[kind.module].__dict__
     renames = {}
-    for name, ours in _ROUTES.items():
+    for name, ours in kind.routes.items():
         renames[name] = private_name(_KEY, name)
-        trl_utils.__dict__[renames[name]] = globals()[ours]
+        namespace[renames[name]] = globals()[ours]
     return renames
 
 
-def _head_codes(trl_utils: types.ModuleType) -> tuple[types.CodeType, ...]:
-    """The code objects of ``_fused_forward`` nested in TRL's ``add_fused_lm_head`` (whatever wraps it)."""
-    adder = trl_utils.add_fused_lm_head
+def _recognised(kind: HeadKind, function) -> bool:
+    """Whether TRL's head is one compilepack routes; if not, warn once (see ``route``)."""
+    problem = _unrecognised_because(kind, function)
+    if problem is not None:
+        _warn_unrouted(kind, problem)
+    return problem is None
+
+
+def _unrecognised_because(kind: HeadKind, function) -> str | None:
+    loaded = {i.argval for i in dis.get_instructions(function.__code__) if i.opname == "LOAD_GLOBAL"}
+    missing = sorted(set(kind.routes) - loaded)
+    if missing:
+        return f"its {kind.head} does not load {missing}"
+    kernel = getattr(sys.modules[kind.module], kind.kernel, None)
+    signature_of = kernel.forward if isinstance(kernel, type) else kernel
+    if not callable(signature_of):
+        return f"its {kind.kernel} is missing (TRL leaves it None without Triton)"
+    parameters = tuple(inspect.signature(signature_of).parameters)
+    if parameters != kind.kernel_parameters:
+        return f"its {kind.kernel} takes {parameters}, not {kind.kernel_parameters}"
+    return None
+
+
+_warned_versions: set[str] = set()
+
+
+def _warn_unrouted(kind: HeadKind, problem: str) -> None:
+    import trl
+
+    if trl.__version__ in _warned_versions:
+        return
+    _warned_versions.add(trl.__version__)
+    routed = " and ".join(f"TRL {k.releases}'s {k.head}" for k in HEADS)
+    warnings.warn(
+        f"compilepack does not recognise TRL {trl.__version__}'s LM head {kind.head} ({problem}), so it is left as TRL "
+        f"made it: the loss stays TRL's own, but a compiled training step will break the graph there "
+        f"(compilepack.explain(model, batch) shows the breaks). compilepack routes {routed} into one graph: install "
+        f"one of those for a compiled SFTTrainer (pip install 'trl=={FUSED_HEAD.releases}.*'), or silence "
+        "compilepack.integrations.trl.UnroutedTrlHeadWarning to train with TRL's head.",
+        UnroutedTrlHeadWarning,
+        stacklevel=3,
+    )
+
+
+def _head_codes(kind: HeadKind) -> tuple[types.CodeType, ...]:
+    """The code objects of the head nested in TRL's adder (whatever wraps the adder)."""
+    adder = getattr(sys.modules[kind.module], kind.adder, None)
     adder = getattr(adder, "__compilepack_original__", adder)
-    return tuple(c for c in adder.__code__.co_consts if isinstance(c, types.CodeType) and c.co_name == "_fused_forward")
+    if not isinstance(adder, types.FunctionType):  # this TRL does not have this head
+        return ()
+    return tuple(c for c in adder.__code__.co_consts if isinstance(c, types.CodeType) and c.co_name == kind.head)
 
 
 def _refuse_zero3() -> None:
@@ -272,7 +416,7 @@ def _refuse_zero3() -> None:
 
 
 def _route_now_and_later(model: torch.nn.Module, **options) -> None:
-    hook_add_fused_lm_head()  # a head a TRL trainer adds later is routed as it is added
+    hook_trl_heads()  # a head a TRL trainer adds later is routed as it is added
     route_all(model)  # a head it already added is routed now
 
 

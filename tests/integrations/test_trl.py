@@ -13,12 +13,13 @@ breaks the graph twice (the control).
 from __future__ import annotations
 
 import copy
+import importlib
 import inspect
 
 import pytest
 import torch
 
-trl = pytest.importorskip("trl", reason="TRL is an optional test dependency: pip install 'trl>=1.16'")
+trl = pytest.importorskip("trl", reason="TRL is an optional test dependency: pip install -e '.[test]'")
 from packaging.version import Version  # noqa: E402
 from trl import SFTConfig, SFTTrainer  # noqa: E402
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling  # noqa: E402
@@ -40,6 +41,17 @@ from tests.integrations.common import (  # noqa: E402
 )
 from tests.models import build_pair  # noqa: E402
 
+# TRL 1.15 on: SFTTrainer adds its fused LM head (routed by compilepack from 1.16). TRL 1.5 to 1.14: with
+# loss_type="chunked_nll" (1.14's default) it installs its chunked cross-entropy head instead, routed too. The same
+# tests run on both (CI's oldest-admitted stage); the tests of add_fused_lm_head itself are skipped without it.
+HAS_FUSED_HEAD = hasattr(importlib.import_module("trl.trainer.utils"), "add_fused_lm_head")
+needs_head = pytest.mark.skipif(not HAS_FUSED_HEAD, reason=f"TRL {trl.__version__} has no fused LM head")
+
+
+def adds_a_head(args) -> bool:
+    """Whether SFTTrainer with these arguments installs a TRL LM head on the model (which compilepack routes)."""
+    return HAS_FUSED_HEAD or getattr(args, "loss_type", None) == "chunked_nll"
+
 
 def word_tokenizer(vocab_size: int = 256):
     """A word-level tokenizer built in code ("t0".."t255"): SFTTrainer needs a processing class, nothing downloads."""
@@ -51,6 +63,7 @@ def word_tokenizer(vocab_size: int = 256):
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="t0", unk_token="t1", eos_token="t2")
 
 
+@pytest.mark.slow  # 48 s on 2 shared cores (issue 41); CI runs it in the slow stage
 def test_sft_trainer_padding_free_compiled_first_step_equals_per_sample_loss(tmp_path):
     """Trainer's own compile (``dynamic=None``): one static graph, then one dynamic one, no break."""
     from datasets import Dataset
@@ -79,7 +92,7 @@ def test_sft_trainer_padding_free_compiled_first_step_equals_per_sample_loss(tmp
 
     first = assert_first_step_equals_per_sample_loss(trainer, stock, samples)
     assert "attention_mask" not in first
-    assert isinstance(trainer.model.__dict__["forward"], RoutedFusedHead)
+    assert isinstance(trainer.model.__dict__.get("forward"), RoutedFusedHead) == adds_a_head(args)
     graphs, breaks = dynamo_counts()
     assert breaks == 0 and graphs <= 2, (graphs, breaks)
 
@@ -148,13 +161,18 @@ def eager_losses_with_trls_own_head(model, tmp_path, monkeypatch, bf16: bool = F
         monkeypatch.delenv(key)
     AcceleratorState._reset_state(reset_partial_state=True)
     trainer = sft_trainer(model, tmp_path / "eager", compile_=False, bf16=bf16)
-    assert unroute_all(trainer.model) == 1 and is_trl_head(trainer.model.__dict__["forward"])
+    assert unroute_all(trainer.model) == adds_a_head(trainer.args)
+    assert is_trl_head(trainer.model.__dict__.get("forward")) == adds_a_head(trainer.args)
     trainer.train()
     return trainer.recorded_losses
 
 
-@pytest.mark.parametrize("family_name, bf16", [("llama", True), ("qwen3_5", False), ("bamba", False)],
-                         ids=["llama-bf16", "qwen3_5-fp32", "bamba-fp32"])
+# qwen3_5 and bamba: 48-71 s each on 2 shared cores (issue 41: the README's command under 10 minutes): slow
+@pytest.mark.parametrize("family_name, bf16", [
+    pytest.param("llama", True, id="llama-bf16"),
+    pytest.param("qwen3_5", False, id="qwen3_5-fp32", marks=pytest.mark.slow),
+    pytest.param("bamba", False, id="bamba-fp32", marks=pytest.mark.slow),
+])
 def test_sft_trainer_compiled_one_graph_no_break_no_recompile(family_name, bf16, tmp_path, monkeypatch):
     """Patch, then SFTTrainer (its head is routed as TRL adds it), torch_compile=True with fullgraph and dynamic
     shapes: 4 steps of varied packed rows compile 1 graph (forward, loss and backward), 0 breaks. Losses against the
@@ -167,7 +185,7 @@ def test_sft_trainer_compiled_one_graph_no_break_no_recompile(family_name, bf16,
     model = compilepack.patch(build_tiny(family_named(family_name)))
     reference_model = copy.deepcopy(model)
     trainer = sft_trainer(model, tmp_path, compile_=True, bf16=bf16)
-    assert isinstance(trainer.model.__dict__["forward"], RoutedFusedHead)
+    assert isinstance(trainer.model.__dict__.get("forward"), RoutedFusedHead) == adds_a_head(trainer.args)
     trainer.train()
     assert dynamo_counts() == (1, 0)
     eager = eager_losses_with_trls_own_head(reference_model, tmp_path, monkeypatch, bf16=bf16)
@@ -181,16 +199,20 @@ def test_sft_trainer_given_a_model_compiled_by_the_recipe(tmp_path):
     """torch.compile(patch(model), fullgraph=True, dynamic=True) handed to SFTTrainer: TRL puts its head on the
     compiled wrapper, whose forward would then bypass the compiled code; compilepack moves the head into the model
     the compiled code calls, routed: 1 graph, 0 breaks over the run."""
+    if not HAS_FUSED_HEAD and hasattr(importlib.import_module("trl.trainer.sft_trainer"), "_patch_chunked_ce_lm_head"):
+        pytest.skip(f"TRL {trl.__version__}'s chunked_nll head cannot be added to a compiled model: TRL's own "
+                    "_patch_chunked_ce_lm_head reads original_forward.__func__ (AttributeError, compilepack or not)")
     torch.manual_seed(0)
     model = compilepack.patch(build_tiny(family_named("llama")))
     compiled = torch.compile(model, fullgraph=True, dynamic=True, backend="aot_eager")
     trainer = sft_trainer(compiled, tmp_path, compile_=False)
     assert trainer.model is compiled and "forward" in compiled.__dict__  # the compiled forward is back
-    assert isinstance(model.__dict__["forward"], RoutedFusedHead)
+    assert isinstance(model.__dict__.get("forward"), RoutedFusedHead) == adds_a_head(trainer.args)
     trainer.train()
     assert dynamo_counts() == (1, 0) and len(trainer.recorded_losses) == STEPS
 
 
+@needs_head
 def test_head_added_before_patch_is_routed_and_unpatch_restores_it():
     """The other order: TRL's head first, then patch routes it. The control: the same head unrouted (after unpatch,
     and repatched without routing) breaks the graph twice."""
@@ -224,6 +246,7 @@ def test_head_added_before_patch_is_routed_and_unpatch_restores_it():
     assert model.__dict__["forward"] is trl_head and not compilepack.is_patched(model)
 
 
+@needs_head
 def test_trl_imported_after_patch_still_routes_the_head_the_trainer_adds():
     """patch() before TRL is even imported: the head SFTTrainer's module adds (imported by name from
     trl.trainer.utils) is routed all the same (a fresh process, where trl is not imported yet)."""

@@ -1,0 +1,139 @@
+"""``compilepack.patch()`` whatever TRL has or lacks (issue 40): the TRL shapes seen across 1.0 to 1.16, made here
+from the installed TRL so that the fast suite covers them (CI's TRL stages run the real oldest and newest releases).
+
+- no ``add_fused_lm_head`` (TRL 1.0 to 1.14): ``patch()`` works; it raised ``AttributeError`` before (the control
+  below restores that code path's assumption and sees the error);
+- a head compilepack does not recognise (TRL 1.15's, or a later one whose kernel takes other arguments): left as TRL
+  made it, one ``UnroutedTrlHeadWarning`` per process, and ``explain`` shows its breaks (the control: the same head
+  with TRL's kernel as it is routes to 1 graph, 0 breaks).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("trl", reason="TRL is an optional test dependency")
+import trl.trainer.utils as trl_utils  # noqa: E402
+
+import compilepack  # noqa: E402
+from compilepack.integrations import trl as integration  # noqa: E402
+from compilepack.integrations.trl import RoutedFusedHead, UnroutedTrlHeadWarning, is_trl_head  # noqa: E402
+from compilepack.patching import family_named  # noqa: E402
+from tests.families import build_tiny  # noqa: E402
+from tests.models import hf_batch, random_docs  # noqa: E402
+
+needs_head = pytest.mark.skipif(not hasattr(trl_utils, "add_fused_lm_head"), reason="this TRL has no fused head")
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    return build_tiny(family_named("llama")).train()
+
+
+def test_patch_works_with_a_trl_without_the_fused_head(monkeypatch):
+    """TRL 1.0 to 1.14 have no ``trl.trainer.utils.add_fused_lm_head``: patch() works and hooks nothing."""
+    if hasattr(trl_utils, "add_fused_lm_head"):
+        monkeypatch.delattr(trl_utils, "add_fused_lm_head")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn about: there is no head
+        model = compilepack.patch(tiny_llama())
+    assert compilepack.is_patched(model)
+    integration.hook_trl_heads()  # hooks what this TRL has (1.5-1.14: the chunked_nll head), never raises
+    assert not hasattr(trl_utils, "add_fused_lm_head")
+    compilepack.unpatch(model)
+    # the control: the code before issue 40 read the attribute unguarded, which is what raised for every model
+    with pytest.raises(AttributeError, match="add_fused_lm_head"):
+        trl_utils.add_fused_lm_head  # noqa: B018
+
+
+TRL_KERNEL = getattr(trl_utils, "_ChunkedLogProbFunction", None) or torch.autograd.Function
+
+
+class RenamedArgumentsKernel(TRL_KERNEL):
+    """TRL's kernel with one argument renamed: what a TRL whose head compilepack does not know looks like."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, softcapping=None, logit_scale=1.0,
+                outputs=("log_probs",)):
+        return TRL_KERNEL.forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, softcapping,
+                                  logit_scale, outputs)
+
+
+@needs_head
+def test_unrecognised_head_is_left_alone_with_one_warning_and_explain_shows_the_breaks(monkeypatch):
+    monkeypatch.setattr(integration, "_warned_versions", set())
+    model = tiny_llama()
+    trl_utils.add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))
+    batch = {**hf_batch(random_docs(model.config.vocab_size, [30, 5, 20])), "fused_lm_head": True}
+
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", RenamedArgumentsKernel)
+    with pytest.warns(UnroutedTrlHeadWarning, match=r"does not recognise TRL .*'softcapping'.*break the graph"):
+        compilepack.patch(model)
+    assert is_trl_head(model.__dict__["forward"]) and compilepack.is_patched(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning per process: a second model, a second head, no second warning
+        other = tiny_llama()
+        trl_utils.add_fused_lm_head(compilepack.patch(other))
+        assert is_trl_head(other.__dict__["forward"])
+    report = compilepack.explain(model, batch, backward=True)  # TRL's two breaks, and one of this test's kernel
+    assert report.graph_breaks >= 2 and "non-contiguous `out=`" in report.break_reasons[0], report
+    with torch.no_grad():
+        assert torch.isfinite(model(**batch).loss)
+
+    # the control: TRL's kernel as it is, the same head is routed into one graph
+    compilepack.unpatch(model)
+    monkeypatch.undo()
+    compilepack.patch(model)
+    assert isinstance(model.__dict__["forward"], RoutedFusedHead)
+    report = compilepack.explain(model, batch, backward=True)
+    assert (report.graphs, report.graph_breaks) == (1, 0), report
+
+
+@needs_head
+def test_head_without_a_kernel_is_left_alone(monkeypatch):
+    """TRL 1.15 without Triton: ``_ChunkedLogProbFunction`` is None (TRL's own step cannot run); patch() still works."""
+    monkeypatch.setattr(integration, "_warned_versions", set())
+    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", None)
+    model = tiny_llama()
+    trl_utils.add_fused_lm_head(model)
+    with pytest.warns(UnroutedTrlHeadWarning, match="_ChunkedLogProbFunction is missing"):
+        compilepack.patch(model)
+    assert is_trl_head(model.__dict__["forward"])
+
+
+def chunked_ce_installer():
+    import trl.trainer.sft_trainer as sft_trainer
+
+    installer = getattr(sft_trainer, "_patch_chunked_ce_lm_head", None)
+    return getattr(installer, "__compilepack_original__", installer)
+
+
+@pytest.mark.skipif(chunked_ce_installer() is None, reason="this TRL has no chunked_nll head (TRL 1.5 to 1.14 have)")
+def test_chunked_ce_head_of_trl_1_14_is_routed_into_one_graph():
+    """TRL 1.5-1.14's ``loss_type="chunked_nll"`` head (SFTTrainer's default in 1.14), added before patch: routed,
+    1 graph 0 breaks, and its loss, correct-token count and entropy sum equal TRL's own (fp32). The control: TRL's own
+    head on the same patched model breaks the graph (its loop runs a number of chunks read from the data)."""
+    model = tiny_llama()
+    chunked_ce_installer()(model, chunk_size=16)  # small chunks: several in TRL's loop
+    trl_head = model.__dict__["forward"]
+    batch = hf_batch(random_docs(model.config.vocab_size, [30, 5, 20]))
+    compilepack.patch(model)
+    routed = model.__dict__["forward"]
+    assert isinstance(routed, RoutedFusedHead) and routed.trl_forward is trl_head
+    report = compilepack.explain(model, batch, backward=True)
+    assert (report.graphs, report.graph_breaks) == (1, 0), report
+    with torch.no_grad():
+        ours = model(**batch)
+        model.forward = trl_head
+        theirs = model(**batch)
+    assert abs(ours.loss.item() - theirs.loss.item()) <= 1e-6
+    assert ours.num_correct_tokens == theirs.num_correct_tokens and ours.num_valid_tokens == theirs.num_valid_tokens
+    assert abs(ours.entropy_sum.item() - theirs.entropy_sum.item()) <= 1e-4 * abs(theirs.entropy_sum.item())
+    report = compilepack.explain(model, batch, backward=True)  # the control: TRL's own head, not routed
+    assert report.graph_breaks >= 1, report
+    model.forward = routed
+    compilepack.unpatch(model)
+    assert model.__dict__["forward"] is trl_head
