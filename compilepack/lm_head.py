@@ -29,7 +29,7 @@ import textwrap
 import torch
 import torch.nn.functional as F
 
-from .boundaries import LABELS, NUM_ITEMS_IN_BATCH, SHIFT_LABELS
+from .boundaries import CACHE_KEYS, LABELS, NUM_ITEMS_IN_BATCH, SHIFT_LABELS
 from .errors import CompilepackError, IncompatibleTransformersError
 from .ops.lm_head import default_chunk_tokens, lm_head_logprobs
 from .patching.api import ModelExtension, register_extension
@@ -249,8 +249,10 @@ def _forward(head: ChunkedCausalLMForward, *args, **kwargs):
         extra = {"aux_loss": aux_loss, "router_logits": outputs.router_logits}
     else:
         from transformers.modeling_outputs import CausalLMOutputWithPast as Output
-    return Output(loss=loss, logits=None, cache=getattr(outputs, "cache", None),
-                  hidden_states=outputs.hidden_states, attentions=outputs.attentions, **extra)
+    # the cache field is ``past_key_values`` up to transformers 5.23 and ``cache`` from 5.24 (as CACHE_KEYS says)
+    cache_field = next(key for key in CACHE_KEYS if key in Output.__dataclass_fields__)
+    return Output(loss=loss, logits=None, hidden_states=outputs.hidden_states, attentions=outputs.attentions,
+                  **{cache_field: getattr(outputs, cache_field, None)}, **extra)
 
 
 def _loss(head: ChunkedCausalLMForward, hidden: torch.Tensor, labels: torch.Tensor, kwargs: dict):
