@@ -36,11 +36,11 @@ WORLD4 = ["run:sft:llama", "run:sft:qwen3_5", "run:sft:bamba", "evaluate:hf:bamb
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
 
-def _launch(tmp_path_factory, processes: int, cases: list[str]) -> dict:
+def _launch(tmp_path_factory, processes: int, cases: list[str], cp: int = 2) -> dict:
     out = tmp_path_factory.mktemp(f"cp-trainer-{processes}")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
-               str(Path(worker.__file__)), "--out", str(out), "--cp", "2", "--cases", ",".join(cases)]
+               str(Path(worker.__file__)), "--out", str(out), "--cp", str(cp), "--cases", ",".join(cases)]
     result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, f"torchrun failed ({result.returncode}):\n{result.stderr[-6000:]}"
     return {case: torch.load(out / f"{case.replace(':', '-')}.pt") for case in cases}
