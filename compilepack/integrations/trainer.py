@@ -21,7 +21,7 @@ have. compilepack's context parallelism runs every mixer of a patched model on a
 
 Launched on ``W`` processes (``torchrun`` or ``accelerate launch``), the ranks form a ``dp x cp`` mesh (``cp =
 size``, ``dp = W / size``, ``mesh_dim_names=("dp", "cp")``; the hybrid mode splits ``cp`` into ``("sequence",
-"ulysses")``, ``ulysses_size`` inner). What the subclass changes, and why:
+"ulysses")``, ``ulysses_size`` inner: ``("dp", "sequence", "ulysses")``). What the subclass changes, and why:
 
 - the model is patched with the group's :class:`~compilepack.distributed.ContextParallel` (``Ulysses`` over
   ``mesh["cp"]``, :meth:`~compilepack.distributed.ContextParallel.sequence_parallel` over it, or
@@ -273,7 +273,7 @@ class ContextParallelTrainerMixin:
 
 def _mesh(layout: Layout, device: torch.device):
     """The ``(dp, cp)`` device mesh of all ranks (rank = dp index x cp + cp index, as accelerate lays out its own);
-    in the hybrid mode ``(dp, sequence, ulysses)``, with ``cp`` the two inner dimensions flattened."""
+    in the hybrid mode ``(dp, sequence, ulysses)`` (the whole group: ``trainer.context_parallel_group.group``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     size = layout.size
@@ -286,10 +286,8 @@ def _mesh(layout: Layout, device: torch.device):
     if layout.mode != HYBRID:
         return init_device_mesh(device.type, (world // size, size), mesh_dim_names=("dp", "cp"))
     ulysses = layout.ulysses_size
-    mesh = init_device_mesh(device.type, (world // size, size // ulysses, ulysses),
+    return init_device_mesh(device.type, (world // size, size // ulysses, ulysses),
                             mesh_dim_names=("dp", "sequence", "ulysses"))
-    mesh["sequence", "ulysses"]._flatten("cp")  # mesh["cp"]: the whole group, as in the other modes
-    return mesh
 
 
 def _refuse_other_sequence_parallelism(holder, where: str) -> None:

@@ -38,7 +38,6 @@ def world4(tmp_path_factory) -> dict:
 @pytest.mark.parametrize("family, mode", CASES)
 def test_fsdp2_in_the_sequence_and_hybrid_modes_equals_one_process(world4, family, mode):
     figures = world4[f"fsdp_modes_worker.fsdp_equality:{family}:{mode}"]
-    print(family, mode, figures)
     assert figures["sharded"], figures
     assert figures["grads"] <= TOLERANCE, figures
     assert figures["control_no_pass"] >= CONTROL_MISS, figures

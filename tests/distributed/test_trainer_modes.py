@@ -63,7 +63,6 @@ def test_sequence_and_hybrid_modes_train_as_one_process(world4, case, tmp_path_f
     """Every logged loss and the final weights; with the chunked LM head (kept when the trainer re-patches) and with
     gradient checkpointing (the layers' collectives run again in the backward) against the plain one-process run."""
     want, got = _reference_of(case, tmp_path_factory), world4[case]
-    print(case, "losses", loss_error(got["losses"], want["losses"]), "weights", weight_error(got["weights"], want["weights"]))
     assert loss_error(got["losses"], want["losses"]) <= LOSS_TOLERANCE, (got["losses"], want["losses"])
     assert weight_error(got["weights"], want["weights"]) <= WEIGHT_TOLERANCE
     assert got.get("chunked_head", True)
@@ -78,5 +77,4 @@ MODE_CONTROL_MISS = 100 * WEIGHT_TOLERANCE
 @pytest.mark.parametrize("case", CONTROLS)
 def test_control_without_the_state_pass_and_halo_misses_by_far(world4, case, tmp_path_factory):
     want, got = _reference_of(case, tmp_path_factory), world4[case]
-    print(case, "losses", loss_error(got["losses"], want["losses"]), "weights", weight_error(got["weights"], want["weights"]))
     assert weight_error(got["weights"], want["weights"]) >= MODE_CONTROL_MISS

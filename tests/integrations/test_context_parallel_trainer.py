@@ -235,3 +235,40 @@ def test_without_a_distributed_launch_the_trainer_says_how_to_launch(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
     with pytest.raises(ContextParallelError, match="torchrun --nproc_per_node 2"):
         context_parallel(Trainer, size=2)(model=worker.model_of("llama"), args=args)
+
+
+REFUSED_LAYOUTS = {
+    "unknown mode": (dict(size=4, mode="ring"), r"mode='ring'\): mode must be one of \('ulysses', 'sequence', 'hybrid'\)"),
+    "ulysses_size without hybrid": (dict(size=4, mode="sequence", ulysses_size=2),
+                                    r"ulysses_size is the hybrid mode's Ulysses group; pass mode='hybrid'"),
+    "hybrid without ulysses_size": (dict(size=4, mode="hybrid"), r"ulysses_size=None\): the hybrid mode needs"),
+    "ulysses_size = size": (dict(size=4, mode="hybrid", ulysses_size=4), r"for heads alone use mode='ulysses'"),
+    "ulysses_size not dividing": (dict(size=6, mode="hybrid", ulysses_size=4), r"that divides the size"),
+    "state pass under Ulysses": (dict(size=4, state_pass="log"), r"Ulysses passes no state"),
+    "unknown state pass": (dict(size=4, mode="sequence", state_pass="tree"),
+                           r"state_pass must be one of \('auto', 'sequential', 'log'\)"),
+}
+
+
+@pytest.mark.parametrize("options, message", REFUSED_LAYOUTS.values(), ids=REFUSED_LAYOUTS.keys())
+def test_a_mode_option_that_names_no_layout_is_refused_with_the_fix(options, message):
+    """Refused when the class is made (before any launch), naming the option, what it needs and the fix."""
+    from transformers import Trainer
+
+    from compilepack.errors import ContextParallelError
+    from compilepack.integrations import context_parallel
+
+    with pytest.raises(ContextParallelError, match=message):
+        context_parallel(Trainer, **options)
+
+
+def test_the_modes_name_their_layout_on_the_class():
+    from transformers import Trainer
+
+    from compilepack.integrations import context_parallel
+    from compilepack.integrations.trainer import Layout
+
+    hybrid = context_parallel(Trainer, size=8, mode="hybrid", ulysses_size=2, state_pass="log")
+    assert hybrid.context_parallel_layout == Layout(8, "hybrid", 2, "log")
+    assert hybrid.context_parallel_size == 8 and "(hybrid) over groups of 8" in hybrid.__doc__
+    assert context_parallel(Trainer, size=2).context_parallel_layout == Layout(2)
