@@ -17,7 +17,8 @@ The cost model (``compilepack.distributed.cost.mixer_memory``, fp32 here) predic
 rank, not the per-token layers nor the LM head: the table puts it beside the measured step peak (peak minus the
 built model).
 
-Writes ``cp-memory-cpu-<date>.json``, ``.md`` and ``.png`` to ``benchmarks/results``.
+Writes ``cp-memory-cpu-<date>.json``, ``.md`` and ``.png`` to ``benchmarks/results`` (the points under
+``measurements``: ``benchmarks.history`` reads a ``points`` report as the long-rows sweep's).
 """
 
 from __future__ import annotations
@@ -56,13 +57,13 @@ def main(argv: list[str] | None = None) -> int:
                     print(_line(points[-1]), flush=True)
     report = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "settings": vars(args),
               "load_avg": {"start": load, "end": os.getloadavg()[0]}, "cpus": os.cpu_count(),
-              "wall_s": round(time.monotonic() - started, 1), "points": points}
+              "wall_s": round(time.monotonic() - started, 1), "measurements": points}
     out = pathlib.Path(args.out)
     stem = f"cp-memory-cpu-{datetime.date.today().isoformat()}"
     earlier = out / f"{stem}.json"
     if args.append and earlier.exists():
         previous = json.loads(earlier.read_text())
-        report["points"] = previous["points"] + points
+        report["measurements"] = previous["measurements"] + points
     write(report, out, stem)
     return 0
 
@@ -241,11 +242,11 @@ def write(report: dict, out: pathlib.Path, stem: str) -> None:
 def markdown(report: dict) -> str:
     lines = ["| family | tokens | W | LM head | peak per rank GB | model built GB | step peak GB (peak - model) | "
              "cost model, mixers GB | step s |", "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
-    for p in report["points"]:
+    for p in report["measurements"]:
         start = f"| {p['family']} | {p['tokens']:,} | {p['world']} | {p['head']} |"
         if p["status"] != "ok":
-            stopped = (f" (stopped at {p['stopped_at_gb']} GB, all ranks; largest rank {p['stopped_at_rank_gb']} GB)"
-                       if "stopped_at_gb" in p else "")
+            largest = f"; largest rank {p['stopped_at_rank_gb']} GB" if "stopped_at_rank_gb" in p else ""
+            stopped = f" (stopped at {p['stopped_at_gb']} GB, all ranks{largest})" if "stopped_at_gb" in p else ""
             lines.append(f"{start} {p['status']}{stopped} | | | | |")
             continue
         lines.append(f"{start} {p['peak_gb']:.2f} | {p['model_gb']:.2f} | {p['peak_gb'] - p['model_gb']:.2f} | "
@@ -262,7 +263,7 @@ def draw(report: dict, path: pathlib.Path) -> None:
 
     figure, axis = plt.subplots(figsize=(7, 4.5))
     series: dict[tuple, list] = {}
-    for p in report["points"]:
+    for p in report["measurements"]:
         if p["status"] == "ok":
             series.setdefault((p["family"], p["head"], p["tokens"]), []).append((p["world"], p["peak_gb"]))
     for (family, head, tokens), values in sorted(series.items()):

@@ -23,7 +23,7 @@ Launched on ``W`` processes (``torchrun`` or ``accelerate launch``), the ranks f
 size``, ``dp = W / size``, ``mesh_dim_names=("dp", "cp")``; the hybrid mode splits ``cp`` into ``("sequence",
 "ulysses")``, ``ulysses_size`` inner: ``("dp", "sequence", "ulysses")``). What the subclass changes, and why:
 
-- the model is patched with the group's :class:`~compilepack.distributed.ContextParallel` (``Ulysses`` over
+- the model is patched with the group's :class:`~compilepack.distributed.ContextParallel` (Ulysses over
   ``mesh["cp"]``, :meth:`~compilepack.distributed.ContextParallel.sequence_parallel` over it, or
   :meth:`~compilepack.distributed.ContextParallel.hybrid` over ``mesh["sequence", "ulysses"]``), before the trainer
   compiles or wraps it; a model given ``patch(model, lm_head="chunked")`` keeps its chunked LM head;
@@ -157,7 +157,8 @@ def context_parallel(trainer_class: type, size: int, *, mode: str = ULYSSES, uly
 
 class ContextParallelTrainerMixin:
     """The methods :func:`context_parallel` puts in front of a trainer class (``class MyTrainer(
-    ContextParallelTrainerMixin, SFTTrainer): context_parallel_size = 2`` does the same)."""
+    ContextParallelTrainerMixin, SFTTrainer): context_parallel_size = 2`` does the same; a mode other than Ulysses:
+    ``context_parallel_layout = Layout(4, "sequence")``)."""
 
     context_parallel_size: int = 1
     context_parallel_layout: Layout | None = None  # None: Ulysses over context_parallel_size ranks
