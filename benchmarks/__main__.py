@@ -1,4 +1,4 @@
-"""``python -m benchmarks [train|ops|long-rows|gpu-check|models-doc|history] [options]``: one entry point for every
+"""``python -m benchmarks [train|ops|long-rows|gpu-check|models-doc|history|trainer-rows|cp-memory] [options]``: one entry point for every
 benchmark (``train``, the training-step benchmark, when no command is named)."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ COMMANDS = {
     "models-doc": ("benchmarks.models_doc", "stock vs patched per family: docs/models.md"),
     "history": ("benchmarks.history", "rebuild benchmarks/results/history.csv from result files"),
     "trainer-rows": ("benchmarks.trainer_rows", "HF Trainer / SFTTrainer steps at real vocabularies, 4k-32k rows"),
+    "cp-memory": ("benchmarks.cp_memory", "peak memory per rank under context parallelism, W = 1, 2, 4"),
 }
 
 

@@ -12,10 +12,21 @@ have. compilepack's context parallelism runs every mixer of a patched model on a
     trainer = Trainer(model=model, args=SFTConfig(..., padding_free=True), train_dataset=dataset, ...)
     trainer.train()                                           # torchrun --nproc_per_node 4 train.py
 
-Launched on ``W`` processes (``torchrun`` or ``accelerate launch``), the ranks form a ``dp x cp`` mesh (``cp =
-size``, ``dp = W / size``, ``mesh_dim_names=("dp", "cp")``). What the subclass changes, and why:
+``mode`` chooses how a group's mixers see the whole row (docs/context-parallel.md compares them)::
 
-- the model is patched with ``context_parallel=mesh["cp"]`` (before the trainer compiles or wraps it);
+    context_parallel(SFTTrainer, size=4)                                  # Ulysses: heads split 4 ways
+    context_parallel(SFTTrainer, size=4, mode="sequence")                 # tokens: past the head counts
+    context_parallel(SFTTrainer, size=8, mode="hybrid", ulysses_size=2)   # Ulysses in pairs, sequence across 4
+    context_parallel(SFTTrainer, size=8, mode="sequence", state_pass="log")   # the states' pass, log-depth
+
+Launched on ``W`` processes (``torchrun`` or ``accelerate launch``), the ranks form a ``dp x cp`` mesh (``cp =
+size``, ``dp = W / size``, ``mesh_dim_names=("dp", "cp")``; the hybrid mode splits ``cp`` into ``("sequence",
+"ulysses")``, ``ulysses_size`` inner: ``("dp", "sequence", "ulysses")``). What the subclass changes, and why:
+
+- the model is patched with the group's :class:`~compilepack.distributed.ContextParallel` (Ulysses over
+  ``mesh["cp"]``, :meth:`~compilepack.distributed.ContextParallel.sequence_parallel` over it, or
+  :meth:`~compilepack.distributed.ContextParallel.hybrid` over ``mesh["sequence", "ulysses"]``), before the trainer
+  compiles or wraps it; a model given ``patch(model, lm_head="chunked")`` keeps its chunked LM head;
 - the data loader is sharded over the ``dp`` ranks only: the ranks of a context-parallel group draw the same global
   batch (and, with ``balance=``, a :class:`~compilepack.distributed.BalancedBatchSampler` deals documents to the
   ``dp`` ranks by cost);
@@ -44,7 +55,9 @@ import torch
 import torch.distributed as dist
 
 from ..boundaries import INPUT_IDS, LABELS, NUM_ITEMS_IN_BATCH, SHIFT_LABELS
-from ..distributed import BalancedBatchSampler, shard_batch
+from ..distributed import BalancedBatchSampler, ContextParallel, shard_batch
+from ..distributed.context_parallel import HYBRID, SEQUENCE, ULYSSES
+from ..distributed.scan import SCHEDULES
 from ..errors import ContextParallelError
 from ..patching import ATTENTION, family_of, patch
 from ..validation import IGNORE_INDEX
@@ -63,33 +76,103 @@ class Balance:
     attention_length: float | None = None
 
 
-def context_parallel(trainer_class: type, size: int, *, balance: int | Balance | None = None) -> type:
-    """``trainer_class`` (HF ``Trainer``, TRL ``SFTTrainer`` or a subclass) running compilepack's context
-    parallelism over groups of ``size`` ranks; ``balance``: a token budget per rank and step (or a :class:`Balance`)
-    to deal documents across the data-parallel ranks by cost. See the module docstring."""
+MODES = (ULYSSES, SEQUENCE, HYBRID)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How a context-parallel group of ``size`` ranks splits its mixers' work: ``mode`` (``"ulysses"``,
+    ``"sequence"`` or ``"hybrid"``), the hybrid's ``ulysses_size`` (the ranks splitting heads; the tokens are split
+    ``size / ulysses_size`` ways) and the linear mixers' ``state_pass`` (sequence and hybrid)."""
+
+    size: int
+    mode: str = ULYSSES
+    ulysses_size: int | None = None
+    state_pass: str | None = None
+
+    def __post_init__(self):
+        _check_layout(self)
+
+    def group(self, mesh) -> ContextParallel:
+        """The :class:`ContextParallel` of this rank on the trainer's mesh (:func:`_mesh`)."""
+        state_pass = self.state_pass or "auto"
+        if self.mode == SEQUENCE:
+            return ContextParallel.sequence_parallel(mesh["cp"], state_pass=state_pass)
+        if self.mode == HYBRID:
+            return ContextParallel.hybrid(mesh["sequence", "ulysses"], state_pass=state_pass)
+        return ContextParallel.of(mesh["cp"])
+
+
+def _check_layout(layout: Layout) -> None:
+    """Refuse a size, mode, Ulysses size or state pass that names no layout, saying which option and the fix."""
+    size, mode, ulysses, state_pass = layout.size, layout.mode, layout.ulysses_size, layout.state_pass
+    where = f"context_parallel(size={size!r}, mode={mode!r}"
     if not isinstance(size, int) or size < 1:
         raise ContextParallelError(f"context_parallel(size={size!r}): the size must be an int >= 1.")
+    if mode not in MODES:
+        raise ContextParallelError(f"{where}): mode must be one of {MODES}.")
+    if mode != HYBRID and ulysses is not None:
+        raise ContextParallelError(
+            f"{where}, ulysses_size={ulysses!r}): ulysses_size is the hybrid mode's Ulysses group; pass "
+            f"mode='hybrid' with it, or leave it out.")
+    if mode == HYBRID and not (isinstance(ulysses, int) and 1 < ulysses < size and size % ulysses == 0):
+        raise ContextParallelError(
+            f"{where}, ulysses_size={ulysses!r}): the hybrid mode needs ulysses_size, an int between 2 and size / 2 "
+            f"that divides the size (the heads split ulysses_size ways, the tokens size / ulysses_size ways); for "
+            f"heads alone use mode='ulysses', for tokens alone mode='sequence'.")
+    if state_pass is not None and mode == ULYSSES:
+        raise ContextParallelError(
+            f"{where}, state_pass={state_pass!r}): Ulysses passes no state (each rank runs whole rows of its heads); "
+            f"state_pass applies to mode='sequence' or 'hybrid'.")
+    if state_pass is not None and state_pass not in SCHEDULES:
+        raise ContextParallelError(f"{where}, state_pass={state_pass!r}): state_pass must be one of {SCHEDULES}.")
+
+
+def context_parallel(trainer_class: type, size: int, *, mode: str = ULYSSES, ulysses_size: int | None = None,
+                     state_pass: str | None = None, balance: int | Balance | None = None) -> type:
+    """``trainer_class`` (HF ``Trainer``, TRL ``SFTTrainer`` or a subclass) running compilepack's context
+    parallelism over groups of ``size`` ranks.
+
+    Args:
+        mode: ``"ulysses"`` (heads split ``size`` ways: ``size`` at most the head counts), ``"sequence"`` (every
+            mixer on the rank's slice of tokens: any ``size``) or ``"hybrid"`` (Ulysses over ``ulysses_size`` ranks,
+            sequence across ``size / ulysses_size`` such groups).
+        ulysses_size: the hybrid mode's Ulysses group size (hybrid only).
+        state_pass: how the linear mixers' states cross the ranks, ``"auto"`` (the default), ``"sequential"`` or
+            ``"log"`` (sequence and hybrid only; :mod:`compilepack.distributed.scan`).
+        balance: a token budget per rank and step (or a :class:`Balance`) to deal documents across the
+            data-parallel ranks by cost.
+
+    See the module docstring."""
+    layout = Layout(size, mode, ulysses_size, state_pass)
     balance = Balance(balance) if isinstance(balance, int) else balance
     name = f"ContextParallel{trainer_class.__name__}"
     return type(name, (ContextParallelTrainerMixin, trainer_class),
-                {"context_parallel_size": size, "context_parallel_balance": balance,
+                {"context_parallel_size": size, "context_parallel_layout": layout,
+                 "context_parallel_balance": balance,
                  "__module__": trainer_class.__module__, "__doc__": f"{trainer_class.__name__} with compilepack's "
-                 f"context parallelism over groups of {size} ranks (compilepack.integrations.context_parallel)."})
+                 f"context parallelism ({mode}) over groups of {size} ranks (compilepack.integrations."
+                 "context_parallel)."})
 
 
 class ContextParallelTrainerMixin:
     """The methods :func:`context_parallel` puts in front of a trainer class (``class MyTrainer(
-    ContextParallelTrainerMixin, SFTTrainer): context_parallel_size = 2`` does the same)."""
+    ContextParallelTrainerMixin, SFTTrainer): context_parallel_size = 2`` does the same; a mode other than Ulysses:
+    ``context_parallel_layout = Layout(4, "sequence")``)."""
 
     context_parallel_size: int = 1
+    context_parallel_layout: Layout | None = None  # None: Ulysses over context_parallel_size ranks
     context_parallel_balance: Balance | None = None
 
     def __init__(self, *args, **kwargs):
         _refuse_other_sequence_parallelism(kwargs.get("args"), "the training arguments' parallelism_config")
         super().__init__(*args, **kwargs)
         _refuse_other_sequence_parallelism(self.accelerator, "accelerate's configuration")
-        self.context_parallel_mesh = _mesh(self.context_parallel_size, self.args.device)
-        patch(self.model, context_parallel=self.context_parallel_mesh["cp"])
+        layout = self.context_parallel_layout or Layout(self.context_parallel_size)
+        self.context_parallel_mesh = _mesh(layout, self.args.device)
+        # the one ContextParallel object of this rank: the patched model and every shard hold it (checked by identity)
+        self.context_parallel_group = layout.group(self.context_parallel_mesh)
+        patch(self.model, context_parallel=self.context_parallel_group)
         if self.args.torch_compile:
             self._compile_the_patched_model()
 
@@ -165,7 +248,7 @@ class ContextParallelTrainerMixin:
         this rank's slice, on the host (the boundaries are host data), and moves the slice's tokens to the device,
         the boundaries staying on the host."""
         host = {key: value.cpu() if isinstance(value, torch.Tensor) else value for key, value in inputs.items()}
-        shard = shard_batch(host, self.context_parallel_mesh["cp"], pad_token_id=_pad_token_id(self))
+        shard = shard_batch(host, self.context_parallel_group, pad_token_id=_pad_token_id(self))
         shard.pop(NUM_ITEMS_IN_BATCH, None)  # the trainer passes its own count, over every rank's batch
         return contextlib.nullcontext, to_device(shard, self.args.device)
 
@@ -189,17 +272,23 @@ class ContextParallelTrainerMixin:
         return loss.detach().mean(), logits.detach(), shard[LABELS]
 
 
-def _mesh(size: int, device: torch.device):
-    """The ``(dp, cp)`` device mesh of all ranks (rank = dp index x cp + cp index, as accelerate lays out its own)."""
+def _mesh(layout: Layout, device: torch.device):
+    """The ``(dp, cp)`` device mesh of all ranks (rank = dp index x cp + cp index, as accelerate lays out its own);
+    in the hybrid mode ``(dp, sequence, ulysses)`` (the whole group: ``trainer.context_parallel_group.group``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    size = layout.size
     world = dist.get_world_size() if dist.is_initialized() else 1
     if not dist.is_initialized() or world % size:
         raise ContextParallelError(
             f"context parallelism over groups of {size} ranks needs a distributed launch whose world size divides "
             f"by {size} (got {world if dist.is_initialized() else 'no process group'}): launch with torchrun "
             f"--nproc_per_node {size} (or a multiple) or accelerate launch --num_processes {size}.")
-    return init_device_mesh(device.type, (world // size, size), mesh_dim_names=("dp", "cp"))
+    if layout.mode != HYBRID:
+        return init_device_mesh(device.type, (world // size, size), mesh_dim_names=("dp", "cp"))
+    ulysses = layout.ulysses_size
+    return init_device_mesh(device.type, (world // size, size // ulysses, ulysses),
+                            mesh_dim_names=("dp", "sequence", "ulysses"))
 
 
 def _refuse_other_sequence_parallelism(holder, where: str) -> None:

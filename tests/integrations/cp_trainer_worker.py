@@ -2,7 +2,11 @@
 compilepack's context parallelism (``compilepack.integrations.context_parallel``), launched as users launch them.
 
     torchrun --standalone --nproc_per_node=4 tests/integrations/cp_trainer_worker.py --out DIR --cp 2 \\
-        --cases sft:llama,sft:qwen3_5,resume:qwen3_5,control-no-grad-sum:llama
+        --cases run:sft:llama,run:sft:qwen3_5,resume:sft:qwen3_5,control-no-grad-sum:sft:llama
+
+A case may name the mode as a fourth field (``run:sft:qwen3_5:sequence``, ``run:hf:bamba:hybrid``): the sequence and
+hybrid modes (hybrid: Ulysses over 2 ranks) train the families' configs with fewer heads than ranks (``FEW_HEADS``:
+2 query heads, 1 kv head).
 
 Every case trains a tiny model of the family for ``STEPS`` optimizer steps on the same documents and rank 0
 writes ``OUT/<case>-<family>.pt``: the logged training losses, the final weights, and whatever the case measures.
@@ -43,12 +47,31 @@ def tokenizer(vocab_size: int = 256):
     return PreTrainedTokenizerFast(tokenizer_object=built, pad_token="t0", unk_token="t1", eos_token="t2")
 
 
-def model_of(family_name: str) -> torch.nn.Module:
+def model_of(family_name: str, heads: str = "tiny") -> torch.nn.Module:
+    """The family's tiny model; ``heads="few"``: its config with 2 query heads and 1 kv head (and one or two heads
+    for the linear mixers), below the W = 4 of the sequence and hybrid cases."""
     from compilepack.patching import family_named
-    from tests.families import build_tiny
+    from tests.distributed.sequence_worker import FEW_HEADS
+    from tests.families import build_tiny, tiny_config
 
     torch.manual_seed(0)
-    return build_tiny(family_named(family_name)).train()
+    if heads == "tiny":
+        return build_tiny(family_named(family_name)).train()
+    import transformers
+
+    config = tiny_config(family_named(family_name))
+    for key, value in FEW_HEADS[family_name].items():
+        setattr(config, key, value)
+    return transformers.AutoModelForCausalLM.from_config(config).train()
+
+
+def layout_of(mode: str) -> dict:
+    """context_parallel()'s options for a case's mode (the hybrid: Ulysses over 2 ranks)."""
+    return {"ulysses": {}, "sequence": dict(mode="sequence"), "hybrid": dict(mode="hybrid", ulysses_size=2)}[mode]
+
+
+def heads_of(mode: str) -> str:
+    return "tiny" if mode == "ulysses" else "few"
 
 
 def arguments(kind: str, out: Path, batch: int, **overrides):
@@ -77,14 +100,20 @@ BALANCE_TOKENS = 160  # tokens per rank and step when documents are dealt by cos
 
 
 def trainer_for(kind: str, family_name: str, out: Path, *, cp: int | None, batch: int, trainer_class=None,
-                balance: int | None = None, **overrides):
+                balance: int | None = None, mode: str = "ulysses", heads: str | None = None,
+                lm_head: str | None = None, **overrides):
     """A trainer of ``kind`` ("sft": SFTTrainer(padding_free=True); "hf": Trainer with the HF flattening
-    collator), context-parallel over groups of ``cp`` ranks (None: plain, one process)."""
+    collator), context-parallel over groups of ``cp`` ranks in ``mode`` (cp None: plain, one process); ``heads``
+    the config (None: the mode's, :func:`heads_of`); ``lm_head``: the model patched with it first (as a user
+    would, before the trainer)."""
     from datasets import Dataset
 
+    import compilepack
     from compilepack.integrations import context_parallel
 
-    model = model_of(family_name)
+    model = model_of(family_name, heads or heads_of(mode))
+    if lm_head is not None:
+        compilepack.patch(model, lm_head=lm_head)
     dataset = Dataset.from_dict({"input_ids": documents(model.config.get_text_config().vocab_size)})
     if kind == "sft":
         from trl import SFTTrainer
@@ -100,7 +129,7 @@ def trainer_for(kind: str, family_name: str, out: Path, *, cp: int | None, batch
 
         compilepack.patch(model)
         trainer_class = trainer_class or base
-    trainer_class = trainer_class or context_parallel(base, size=cp, balance=balance)
+    trainer_class = trainer_class or context_parallel(base, size=cp, balance=balance, **layout_of(mode))
     return trainer_class(model=model, args=arguments(kind, out, batch, **overrides), train_dataset=dataset, **extra)
 
 
@@ -116,10 +145,37 @@ def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------------------------------ cases
 
 
-def run(kind: str, family_name: str, out: Path, cp: int) -> dict:
-    trainer = trainer_for(kind, family_name, out / f"{kind}-{family_name}", cp=cp, batch=PER_DEVICE_BATCH)
+def run(kind: str, family_name: str, out: Path, cp: int, **options) -> dict:
+    folder = out / "-".join([kind, family_name, *map(str, options.values())])
+    trainer = trainer_for(kind, family_name, folder, cp=cp, batch=PER_DEVICE_BATCH, **options)
     trainer.train()
     return {"losses": losses(trainer), "weights": weights(trainer.model)}
+
+
+def chunked(kind: str, family_name: str, out: Path, cp: int, **options) -> dict:
+    """The model patched with ``lm_head="chunked"`` before the trainer patches it for context parallelism: the
+    head stays chunked (``chunked_head``) and the run is one process's (plain head)."""
+    from compilepack.lm_head import has_chunked_head
+
+    trainer = trainer_for(kind, family_name, out / f"chunked-{kind}-{family_name}", cp=cp, batch=PER_DEVICE_BATCH,
+                          lm_head="chunked", **options)
+    trainer.train()
+    return {"losses": losses(trainer), "weights": weights(trainer.model), "chunked_head": has_chunked_head(
+        trainer.accelerator.unwrap_model(trainer.model))}
+
+
+def checkpointing(kind: str, family_name: str, out: Path, cp: int, **options) -> dict:
+    """gradient_checkpointing=True: every layer's forward, collectives included, runs again in the backward."""
+    return run(kind, family_name, out / "checkpointing", cp, gradient_checkpointing=True, **options)
+
+
+def control_no_pass(kind: str, family_name: str, out: Path, cp: int, **options) -> dict:
+    """The control of the sequence mode: no state pass and no conv halo (every rank's first document starts from
+    zero). Its weights must miss one process's by far."""
+    from tests.distributed.sequence_worker import _without_passing
+
+    with _without_passing():
+        return run(kind, family_name, out / "control-no-pass", cp, **options)
 
 
 def resume(kind: str, family_name: str, out: Path, cp: int) -> dict:
@@ -241,7 +297,8 @@ def _base(kind: str):
     return Trainer
 
 
-CASES = {"run": run, "resume": resume, "balanced": balanced, "resume-balanced": resume_balanced,
+CASES = {"run": run, "chunked": chunked, "checkpointing": checkpointing, "control-no-pass": control_no_pass,
+         "resume": resume, "balanced": balanced, "resume-balanced": resume_balanced,
          "control-no-grad-sum": control_no_grad_sum,
          "control-no-shard": control_no_shard, "compiled": compiled, "evaluate": evaluate}
 
@@ -252,16 +309,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--cp", type=int, required=True)
-    parser.add_argument("--cases", required=True, help="comma-separated case:kind:family")
+    parser.add_argument("--cases", required=True, help="comma-separated case:kind:family[:mode]")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:
         for spec in args.cases.split(","):
-            case, kind, family_name = spec.split(":")
-            result = CASES[case](kind, family_name, args.out, args.cp)
+            case, kind, family_name, *mode = spec.split(":")
+            result = CASES[case](kind, family_name, args.out, args.cp, **({"mode": mode[0]} if mode else {}))
             if dist.get_rank() == 0:
-                torch.save(result, args.out / f"{case}-{kind}-{family_name}.pt")
+                torch.save(result, args.out / f"{spec.replace(':', '-')}.pt")
             dist.barrier()
     finally:
         dist.destroy_process_group()

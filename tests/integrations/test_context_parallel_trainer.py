@@ -36,11 +36,11 @@ WORLD4 = ["run:sft:llama", "run:sft:qwen3_5", "run:sft:bamba", "evaluate:hf:bamb
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
 
-def _launch(tmp_path_factory, processes: int, cases: list[str]) -> dict:
+def _launch(tmp_path_factory, processes: int, cases: list[str], cp: int = 2) -> dict:
     out = tmp_path_factory.mktemp(f"cp-trainer-{processes}")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
-               str(Path(worker.__file__)), "--out", str(out), "--cp", "2", "--cases", ",".join(cases)]
+               str(Path(worker.__file__)), "--out", str(out), "--cp", str(cp), "--cases", ",".join(cases)]
     result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, f"torchrun failed ({result.returncode}):\n{result.stderr[-6000:]}"
     return {case: torch.load(out / f"{case.replace(':', '-')}.pt") for case in cases}
@@ -235,3 +235,40 @@ def test_without_a_distributed_launch_the_trainer_says_how_to_launch(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
     with pytest.raises(ContextParallelError, match="torchrun --nproc_per_node 2"):
         context_parallel(Trainer, size=2)(model=worker.model_of("llama"), args=args)
+
+
+REFUSED_LAYOUTS = {
+    "unknown mode": (dict(size=4, mode="ring"), r"mode='ring'\): mode must be one of \('ulysses', 'sequence', 'hybrid'\)"),
+    "ulysses_size without hybrid": (dict(size=4, mode="sequence", ulysses_size=2),
+                                    r"ulysses_size is the hybrid mode's Ulysses group; pass mode='hybrid'"),
+    "hybrid without ulysses_size": (dict(size=4, mode="hybrid"), r"ulysses_size=None\): the hybrid mode needs"),
+    "ulysses_size = size": (dict(size=4, mode="hybrid", ulysses_size=4), r"for heads alone use mode='ulysses'"),
+    "ulysses_size not dividing": (dict(size=6, mode="hybrid", ulysses_size=4), r"that divides the size"),
+    "state pass under Ulysses": (dict(size=4, state_pass="log"), r"Ulysses passes no state"),
+    "unknown state pass": (dict(size=4, mode="sequence", state_pass="tree"),
+                           r"state_pass must be one of \('auto', 'sequential', 'log'\)"),
+}
+
+
+@pytest.mark.parametrize("options, message", REFUSED_LAYOUTS.values(), ids=REFUSED_LAYOUTS.keys())
+def test_a_mode_option_that_names_no_layout_is_refused_with_the_fix(options, message):
+    """Refused when the class is made (before any launch), naming the option, what it needs and the fix."""
+    from transformers import Trainer
+
+    from compilepack.errors import ContextParallelError
+    from compilepack.integrations import context_parallel
+
+    with pytest.raises(ContextParallelError, match=message):
+        context_parallel(Trainer, **options)
+
+
+def test_the_modes_name_their_layout_on_the_class():
+    from transformers import Trainer
+
+    from compilepack.integrations import context_parallel
+    from compilepack.integrations.trainer import Layout
+
+    hybrid = context_parallel(Trainer, size=8, mode="hybrid", ulysses_size=2, state_pass="log")
+    assert hybrid.context_parallel_layout == Layout(8, "hybrid", 2, "log")
+    assert hybrid.context_parallel_size == 8 and "(hybrid) over groups of 8" in hybrid.__doc__
+    assert context_parallel(Trainer, size=2).context_parallel_layout == Layout(2)
