@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Wheels the GPU check needs on the lent H200 machine, which has torch and triton but no internet.
+# Wheels the GPU check needs on the lent H200 machine, which has torch and triton but no internet. transformers 5.25
+# needs huggingface-hub 2.x (and its httpx2, httpcore2, hf-xet, click): the image's hub 1.33 fails its import check
+# (seen on the lent H200, 2026-12-04), so they travel too.
 # Run here (a machine with PyPI); the device command installs them with --no-index --no-deps.
 #
 #   bash benchmarks/gpu_wheels.sh                        # fills .whl/ (ignored by git, carried by the device tool)
@@ -27,7 +29,9 @@ platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --p
            --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" \
   -d .whl \
-  "transformers==5.24.0" "huggingface-hub>=1.31,<2" "tokenizers>=0.23.1,<0.24" "safetensors>=0.8" "regex>=2025.10.22" \
+  "transformers==5.25.0" "huggingface-hub>=2.4,<3" "httpx2>=2,<3" "httpcore2" "hf-xet>=1.6,<2" "click>=8.4.2" \
+  "truststore>=0.10" "anyio>=4.10" "idna>=3.18" "h11>=0.16" \
+  "tokenizers>=0.23.1,<0.24" "safetensors>=0.8" "regex>=2025.10.22" \
   "flash-linear-attention==0.6.0" "fla-core==0.6.0" "einops" "typer" "shellingham" "rich" "markdown-it-py" "mdurl"
 MAMBA_FORCE_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE \
   python3 -m pip wheel --quiet --no-deps --no-build-isolation "mamba-ssm==2.3.2.post1" -w .whl
