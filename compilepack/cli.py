@@ -25,6 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     explain_parser = commands.add_parser("explain", help="graphs, breaks, recompiles and correctness: stock vs patched")
     explain_parser.add_argument("family", help="model family, e.g. llama, qwen3_next, qwen3_5, bamba")
     explain_parser.add_argument("--batches", type=int, default=10, help="batches in the recompile count")
+    explain_parser.add_argument(
+        "--lora", action="store_true",
+        help="both models wrapped in PEFT LoRA (every linear layer but the LM head) with gradient checkpointing on, "
+             "as TRL's LoRA recipe trains them; the forward is counted in train mode, as a trainer compiles it")
     explain_parser.set_defaults(run=_explain_command)
 
     bench_parser = commands.add_parser(
@@ -80,19 +84,22 @@ def _explain_command(args) -> int:
     torch.manual_seed(0)
     stock = AutoModelForCausalLM.from_config(family.bench_config()).eval()
     patched = patching.patch(copy.deepcopy(stock))
+    if args.lora:
+        stock, patched = _with_lora(stock), _with_lora(patched)  # patched first: its hook comes guarded
     collate = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)
     vocab = stock.config.get_text_config().vocab_size
     docs = _documents(vocab, [70, 1, 23, 5, 40], seed=0)
     batch = collate([{"input_ids": d} for d in docs])
     stream = [collate([{"input_ids": d} for d in _documents(vocab, _lengths(i), seed=i)]) for i in range(args.batches)]
 
+    lora = "; PEFT LoRA + gradient checkpointing, forward in train mode" if args.lora else ""
     print(f"compilepack explain {family.name} (the benchmark's model, {stock.config.num_hidden_layers} layers; "
-          f"HF DataCollatorWithFlattening batches; torch {torch.__version__})")
+          f"HF DataCollatorWithFlattening batches; torch {torch.__version__}{lora})")
     header = f"{'':8} {'forward':>16} {'forward+backward':>18} {'compiles/' + str(args.batches) + ' batches':>20} {'max |packed - alone| logit':>28}"
     print(header)
     reasons = {}
     for name, model in (("stock", stock), ("patched", patched)):
-        row, reasons[name] = _explain_row(model, batch, stream, docs)
+        row, reasons[name] = _explain_row(model, batch, stream, docs, forward_in_train_mode=args.lora)
         print(f"{name:8} {row[0]:>16} {row[1]:>18} {row[2]:>20} {row[3]:>28}")
     for name, lines in reasons.items():
         for line in lines:
@@ -100,11 +107,24 @@ def _explain_command(args) -> int:
     return 0
 
 
-def _explain_row(model, batch, stream, docs):
+def _with_lora(model):
+    """``model`` as TRL's LoRA recipe trains it: LoRA adapters, non-reentrant gradient checkpointing, whose
+    ``enable_input_require_grads`` hook is what a trainer's compile meets (compilepack.patch guards it)."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as error:
+        raise SystemExit("compilepack explain --lora needs PEFT: pip install peft") from error
+    torch.manual_seed(0)
+    lora = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    lora.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return lora
+
+
+def _explain_row(model, batch, stream, docs, forward_in_train_mode: bool = False):
     notes = []
     cells = []
     for backward in (False, True):
-        model.train(backward)
+        model.train(backward or forward_in_train_mode)
         cells.append(_attempt(lambda: _graphs(explain(model, batch, backward=backward, reset=True), notes), notes))
     model.eval()
     cells.append(_attempt(lambda: str(count_compiles(model, stream, dynamic=True, reset=True).compiles), notes))
