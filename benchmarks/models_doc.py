@@ -254,8 +254,9 @@ boundary kwargs never take this path.
 # The stock paths, per release. STOCK_WIRING_RELEASES: `--wiring` run on each admitted release (2026-12-03, every
 # release's wheel on PYTHONPATH): identical output on 5.18.0, 5.19.0, 5.20.2, 5.21.1, 5.22.2, 5.23.0 and 5.24.0 for
 # every family but LFM3 (below). The "stock, boundary kwargs" column measured on 5.19.0 showed every family mixing
-# (logit errors 1.1-8.3), on 5.24.0 the ValueError of the table above.
-STOCK_WIRING_RELEASES = "5.18.0 to 5.24.0"
+# (logit errors 1.1-8.3), on 5.24.0 the ValueError of the table above. 5.25.0 (2026-12-04): the same as 5.24.0 except
+# Mamba2 (its CausalLM now forwards the kwargs: apart) and FalconMamba (no fused path left).
+STOCK_WIRING_RELEASES = "5.18.0 to 5.25.0"
 # family -> what changed it, or what else matters on that path (PRs as read in the trackers)
 STOCK_NOTES = {
     "bamba": "training takes the fused `mamba_split_conv1d_scan_combined`, which gets `seq_idx` too; mamba-ssm "
@@ -267,8 +268,8 @@ STOCK_NOTES = {
     "nemotron_h": "kwargs threaded to the mixers by transformers #48490 (merged 2026-09-04, before 5.18); the fused "
                   "training kernel as for Bamba",
     "zamba2": "the fused training kernel as for Bamba",
-    "mamba2": "#48490 threads the kwargs from `Mamba2Model` to its mixers, but `Mamba2ForCausalLM` still calls its "
-              "backbone without them",
+    "mamba2": "#48490 threads the kwargs from `Mamba2Model` to its mixers; up to 5.24 `Mamba2ForCausalLM` calls its "
+              "backbone without them (every kernel mixed), from 5.25 it forwards them (apart, as in this table)",
     "kimi_linear": "the KDA call forwards `**kwargs` (`cu_seq_lens_q`, `seq_idx`) but fla's `chunk_kda` takes "
                    "`cu_seqlens`: transformers drops both before the call",
     "lfm2": "`seq_idx` threaded to the short conv by transformers #46588 (merged 2026-06-12, before 5.18)",
@@ -284,7 +285,7 @@ STOCK_NOTES = {
     "jamba": "the model drops the boundary kwargs before its mixers",
     "mamba": "the model drops the boundary kwargs before its mixers; mamba-ssm's selective scan has no boundary "
              "argument",
-    "falcon_mamba": "as Mamba",
+    "falcon_mamba": "as Mamba; from 5.25 it has no fused `mamba_inner_fn` path",
 }
 
 STOCK_PATHS = """## Stock transformers per path
@@ -328,8 +329,8 @@ def _fallback(name: str, found: dict) -> str:
     if all(verdict.endswith("stock passes no boundary)") for verdict in found.values()):
         return "mixed, silently (every release)"
     if name == "lfm3":  # in 5.23 its conv is torch-only, outside the kernel functions
-        return "5.23: mixed, silently; 5.24: ValueError"
-    return "5.18-5.19: mixed, silently; 5.20-5.24: ValueError"
+        return "5.23: mixed, silently; 5.24-5.25: ValueError"
+    return "5.18-5.19: mixed, silently; 5.20-5.25: ValueError"
 
 
 # How each CUDA kernel path is verified (docs/benchmarks.md says how to run each).
@@ -340,12 +341,12 @@ floors: [kernels.md](kernels.md).
 
 | path | recording fake (CPU, every CI run) | real kernels on CPU (CI's kernel stage, Triton interpreter) | GPU (`benchmarks/gpu_check.py`) |
 | --- | --- | --- | --- |
-| attention: flash-attn varlen | argument contract, results through the reference; the max_seqlen-1 shortcut (flash-attn #1537) and its guard | - (CUDA C++) | not yet run (no GPU lent): ops, bug layouts, #1537, rows past 2**31 elements |
-| attention: torch `varlen_attn` | argument contract; the same shortcut and guard | - (CUDA only) | not yet run: as flash-attn |
-| causal conv1d: causal-conv1d | argument contract, channel-last layouts; the seq_idx tail read (#117) and uint32 offsets (#114), and their guards | - (CUDA C++) | not yet run: ops, bug layouts, #117 in a child process, the uint32 limit |
-| gated delta rule: fla 0.6 `chunk_gated_delta_rule_fwd/bwd` | argument contract, host copy of the boundaries | forward and every gradient == the reference on 1-token, chunk +-1, zero-length (middle, end), padding-only, two-row layouts, T not a multiple of 64; saved tensors == the fake | not yet run: ops, bug layouts, slack rows (#892), past 2**31 elements, JIT and autotune cache growth |
-| Kimi delta attention: fla 0.6 `chunk_kda_fwd/bwd` | argument contract | one case holding every bug layout, forward and every gradient; saved tensors == the fake | not yet run: ops, bug layouts, cache growth |
-| Mamba2 scan: mamba-ssm 2.3.2 `mamba_chunk_scan_combined` | argument contract; int32 offsets (#1015, #1036) and their guard | forward and every gradient == the reference on the same layouts (seq_idx with the gaps empty documents leave); output == the fake | not yet run: ops, bug layouts, the int32 limit (guarded and alone), cache growth |
+| attention: flash-attn varlen | argument contract, results through the reference; the max_seqlen-1 shortcut (flash-attn #1537) and its guard | - (CUDA C++) | H200 2026-12-04: flash-attn not installed there; ops, bug layouts, #1537, rows past 2**31 elements not yet run |
+| attention: torch `varlen_attn` | argument contract; the same shortcut and guard | - (CUDA only) | H200 2026-12-04 (torch 2.11): every call failed (2.11's op takes 10 arguments): now below its floor, torch 2.13 |
+| causal conv1d: causal-conv1d | argument contract, channel-last layouts; the seq_idx tail read (#117) and uint32 offsets (#114), and their guards | - (CUDA C++) | H200 2026-12-04: causal-conv1d not installed there (no wheel); the reference ran the ops check (= the bf16 reference) |
+| gated delta rule: fla 0.6 `chunk_gated_delta_rule_fwd/bwd` | argument contract, host copy of the boundaries | forward and every gradient == the reference on 1-token, chunk +-1, zero-length (middle, end), padding-only, two-row layouts, T not a multiple of 64; saved tensors == the fake | H200 2026-12-04 (Triton 3.6): fla raised at every backward (fla #640): refused at patch() there; the rest not yet run |
+| Kimi delta attention: fla 0.6 `chunk_kda_fwd/bwd` | argument contract | one case holding every bug layout, forward and every gradient; saved tensors == the fake | H200 2026-12-04: ops ok (out 0.0067 relative in bf16), every bug layout within 0.017 except a 391-token padding-only document (0.33, unexplained) |
+| Mamba2 scan: mamba-ssm 2.3.2 `mamba_chunk_scan_combined` | argument contract; int32 offsets (#1015, #1036) and their guard | forward and every gradient == the reference on the same layouts (seq_idx with the gaps empty documents leave); output == the fake | H200 2026-12-04: ops ok (0.0048), every bug layout within 0.0053; the int32 limit and cache growth not yet run |
 | selective scan | - (no library resets inside a row: the reference runs on CUDA) | - | - |
 """
 
