@@ -28,6 +28,7 @@ import transformers
 from transformers import DataCollatorWithFlattening
 
 import compilepack
+from compilepack.patching.family import function_behind
 
 from .configs import build_bench_model
 
@@ -142,6 +143,7 @@ def _recorder(name, torch_function, received):
 
 
 def _closure(function) -> dict:
+    function = function_behind(function) or function  # transformers 5.25 (with `kernels`): a module calling it
     code = getattr(function, "__code__", None)
     if code is None or not function.__closure__:
         return {}
