@@ -126,6 +126,7 @@ def patch(
             return _install_extensions(model, lm_head=lm_head)
         _unpatch_layers(model, state)  # another backend, or a partial patch: its layers from stock, the head kept
     _refuse_foreign_forwards([m for m, _ in targets])
+    _refuse_kernelized([m for m, _ in targets])
     for module, forward in targets:
         module.forward = PatchedForward(forward, module, family.name, chosen)
     return _install_extensions(model, lm_head=lm_head)
@@ -244,6 +245,21 @@ def _refuse_foreign_forwards(modules) -> None:
                 f"{type(module).__name__} already has an instance-level forward ({forward!r}), set by another tool "
                 "(accelerate hooks, a kernel patcher, ...). compilepack will not stack on it: patch the model "
                 "before that tool, or undo the other patch first."
+            )
+
+
+def _refuse_kernelized(modules) -> None:
+    """A layer whose kernel functions the `kernels` package has kernelized (``kernels.kernelize``: an instance-level
+    ``forward`` on one of ``module._kernel_funcs``, transformers 5.25) is refused: compilepack's forward leaves out
+    the routing to those functions (rebind.is_kernel_func_router), so its plain batches would no longer run them."""
+    for module in modules:
+        kernelized = sorted(name for name, func in getattr(module, "_kernel_funcs", {}).items()
+                            if "forward" in getattr(func, "__dict__", {}))
+        if kernelized:
+            raise PatchConflictError(
+                f"{type(module).__name__}'s kernel functions {', '.join(kernelized)} are kernelized (kernels.kernelize). "
+                "compilepack runs its own boundary-aware ops for packed batches and would no longer route plain "
+                "batches to the kernelized functions: patch a model that is not kernelized."
             )
 
 

@@ -81,6 +81,12 @@ def with_globals(function: Callable, renames: Mapping[str, str], boundary_calls:
     if inner is None:
         code = _threaded_code(function, boundary_calls) if boundary_calls else function.__code__
         return _copy_function(function, _renamed(code, renames, function), function.__closure__)
+    if is_kernel_func_router(function):
+        # the kernels package's use_kernelized_func wrapper (transformers 5.25): it sets a context variable routing the
+        # layer's kernel functions to the instance's kernelized ones. compilepack patches only layers none of whose
+        # functions is kernelized (api.py refuses the others), where the routing changes nothing, and under gradient
+        # checkpointing its write is a side effect dynamo refuses inside the checkpoint ("HOP: Unsafe side effect")
+        return with_globals(inner, renames, boundary_calls)
     new_inner = with_globals(inner, renames, boundary_calls)
     cells = function.__closure__ or ()
     if not any(_holds(cell, inner) for cell in cells):
@@ -114,6 +120,13 @@ def named_calls(function: Callable, names: tuple[str, ...]) -> dict[str, bool]:
             callee = ast.unparse(node.func)
             forwards[callee] = forwards.get(callee, True) and any(k.arg is None for k in node.keywords)
     return forwards
+
+
+def is_kernel_func_router(function: Callable) -> bool:
+    """Whether ``function`` is the forward the `kernels` package's ``use_kernelized_func`` wraps a layer's forward in
+    (its ``new_forward``, under ``functools.wraps``: told apart by its code, which lives in the kernels package)."""
+    code = getattr(function, "__code__", None)
+    return code is not None and code.co_name == "new_forward" and "kernels" in code.co_filename.split("/")
 
 
 def innermost(function: Callable) -> Callable:
