@@ -28,9 +28,9 @@ import transformers
 from transformers import DataCollatorWithFlattening
 
 import compilepack
-from compilepack.patching.family import function_behind
 
 from .configs import build_bench_model
+from .worker import kernel_closure
 
 LENGTHS = [70, 1, 23, 5, 40]
 DOCS_PATH = Path(__file__).resolve().parents[1] / "docs" / "models.md"
@@ -105,7 +105,7 @@ def stock_kernel_wiring(family) -> dict[str, str]:
     received: dict[str, set] = {}
     stock, kernels = {}, {}
     for name, function in list(vars(module).items()):
-        cells = _closure(function)
+        cells = kernel_closure(function)
         if "is_new_implementation" in cells:
             stock[name], kernels[name] = function, (cells["package"], cells["func_name"])
             setattr(module, name, _recorder(name, cells["torch_function"], received))
@@ -140,14 +140,6 @@ def _recorder(name, torch_function, received):
         return torch_function(*args, **{k: v for k, v in kwargs.items() if k not in BOUNDARY_KWARGS})
 
     return record
-
-
-def _closure(function) -> dict:
-    function = function_behind(function) or function  # transformers 5.25 (with `kernels`): a module calling it
-    code = getattr(function, "__code__", None)
-    if code is None or not function.__closure__:
-        return {}
-    return {name: cell.cell_contents for name, cell in zip(code.co_freevars, function.__closure__)}
 
 
 def wiring() -> dict:

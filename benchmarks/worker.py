@@ -18,6 +18,8 @@ import traceback
 
 import torch
 
+from compilepack.patching.family import function_behind
+
 from . import measure, split
 from .modes import DYNAMIC, EAGER, STOCK_GROUPED_COMPILED, STOCK_PACKED, Batch, Workload, mode_named
 
@@ -377,14 +379,17 @@ def stock_path(model: torch.nn.Module, device) -> str:
     parts = [torch.device(device).type, f"attention: {model.config._attn_implementation}"]
     module = sys.modules.get(type(model).__module__)
     for name, function in sorted(vars(module).items() if module else ()):
-        cells = _closure(function) or _closure(getattr(function, "__wrapped__", None))
+        cells = kernel_closure(function) or kernel_closure(getattr(function, "__wrapped__", None))
         if "is_new_implementation" in cells:
             found = cells["package"] if cells["is_new_implementation"] else "torch fallback"
             parts.append(f"{name}: {found}")
     return "; ".join(parts)
 
 
-def _closure(function) -> dict:
+def kernel_closure(function) -> dict:
+    """The closure cells of a transformers kernel function (``use_kernel_func_from_hub_with_fallback``'s wrapper) by
+    name; from 5.25 (which requires the `kernels` package) the global is a module calling that wrapper."""
+    function = function_behind(function) or function
     code = getattr(function, "__code__", None)
     if code is None or not function.__closure__:
         return {}
