@@ -27,7 +27,7 @@ def test_gpu_check_smoke_on_cpu(tmp_path):
     assert gpu_check.main(["--device", "cpu", "--smoke", "--families", "llama", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["environment"]["device"] == "cpu"
-    assert set(report["environment"]["versions"]) == {"flash_attn", "causal_conv1d", "fla", "mamba_ssm"}
+    assert set(report["environment"]["versions"]) == {"flash_attn", "causal_conv1d", "fla", "mamba_ssm", "torch_varlen"}
     assert {o["op"] for o in report["ops"]} == OPS
     for op in report["ops"]:
         assert "error" not in op, op
