@@ -328,6 +328,8 @@ def _fallback(name: str, found: dict) -> str:
         return "mixed, silently (every release)"
     if name == "lfm3":  # in 5.23 its conv is torch-only, outside the kernel functions
         return "5.23: mixed, silently; 5.24-5.25: ValueError"
+    if name == "mamba2":  # its CausalLM forwards the kwargs to the mixers from 5.25 only
+        return "5.18-5.24: mixed, silently; 5.25: ValueError"
     return "5.18-5.19: mixed, silently; 5.20-5.25: ValueError"
 
 
