@@ -272,7 +272,7 @@ def _patched_forwards(family: Family, backends: Backends, classes: tuple) -> dic
         plan[cls] = plan.get(cls, ()) + present
     for class_name in family.boundary_calls:
         plan.setdefault(by_name[class_name], ())
-    threaded = {cls: _threaded_calls(family, cls, vias.get(cls, set()), dropped.get(cls, set())) for cls in plan}
+    threaded = {cls: _threaded_calls(family, stock, cls, vias.get(cls, set()), dropped.get(cls, set())) for cls in plan}
     everything = {r.global_name: r for needed in plan.values() for r in needed}
     renames = install(stock, _key(backends), {name: _build(family, stock, r, backends) for name, r in everything.items()})
     helpers = set().union(*vias.values())
@@ -308,7 +308,8 @@ def _route(family: Family, class_name: str, replacement: R.Replacement, loaded: 
     raise _incompatible(family, f"{class_name}.forward no longer loads the global {replacement.global_name}{through}")
 
 
-def _threaded_calls(family: Family, cls: type, helpers: set[str], dropped: set[str]) -> tuple[str, ...]:
+def _threaded_calls(family: Family, stock: types.ModuleType, cls: type, helpers: set[str],
+                    dropped: set[str]) -> tuple[str, ...]:
     """The calls named in ``family.boundary_calls`` for ``cls`` that its forward makes without ``**kwargs`` in the
     installed release (those must be threaded; a call that forwards ``**kwargs`` receives the boundaries already).
     A named call the forward no longer makes is refused, unless it is a kernel the forward now reaches through a
@@ -316,8 +317,8 @@ def _threaded_calls(family: Family, cls: type, helpers: set[str], dropped: set[s
     dropped."""
     declared = tuple(family.boundary_calls.get(cls.__name__, ()))
     found = named_calls(cls.forward, declared)
-    moved = {name for name in declared if any(name in _function_loads(getattr(_import_modeling(family), h))
-                                               for h in helpers)}
+    reached = set().union(*(_function_loads(getattr(stock, helper)) for helper in helpers))
+    moved = set(declared) & reached
     missing = sorted(set(declared) - found.keys() - moved - dropped)
     if missing:
         raise _incompatible(family, f"{cls.__name__}.forward no longer calls {', '.join(missing)}")
