@@ -18,9 +18,7 @@ import sysconfig
 import torch
 from transformers import DataCollatorWithFlattening
 
-from compilepack.collator import PackedCollator
-
-IGNORE_INDEX = -100
+from compilepack.batch import IGNORE_INDEX, PackedCollator
 
 
 @dataclasses.dataclass(frozen=True)

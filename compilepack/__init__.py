@@ -5,10 +5,11 @@
     loss = step(**collate(features)).loss                  # HF DataCollatorWithFlattening or PackedCollator
 """
 
-from . import distributed, lm_head, ops
+import warnings
+
+from . import distributed, integrations, ops  # integrations: registers its extensions (TRL, PEFT) with patch()
 from .backends import Backends
-from .layout import Boundaries
-from .collator import PackedCollator
+from .batch import Boundaries, PackedCollator, checked, to_device, validate
 from .errors import (
     BoundaryError,
     CompilepackError,
@@ -18,10 +19,8 @@ from .errors import (
     PatchConflictError,
     UnsupportedModelError,
 )
-from .explain import CompileReport, ExplainReport, count_compiles, explain
-from .integrations import to_device
 from .patching import families, is_patched, patch, patched, supported_model_types, unpatch
-from .validation import checked, validate
+from .testing.explain import CompileReport, ExplainReport, count_compiles, explain
 
 __version__ = "0.1.0"
 
@@ -44,7 +43,6 @@ __all__ = [
     "explain",
     "families",
     "is_patched",
-    "lm_head",
     "ops",
     "patch",
     "patched",
@@ -53,3 +51,17 @@ __all__ = [
     "unpatch",
     "validate",
 ]
+
+
+def __getattr__(name: str):
+    # compilepack.lm_head (the chunked-head extension) moved to compilepack.patching.chunked_head, apart from the op
+    # compilepack.ops.lm_head; the old name keeps working for a deprecation period.
+    if name == "lm_head":
+        from .patching import chunked_head
+
+        warnings.warn(
+            "compilepack.lm_head is deprecated: the chunked LM head extension is compilepack.patching.chunked_head "
+            "(turn it on with compilepack.patch(model, lm_head='chunked')).", DeprecationWarning, stacklevel=2,
+        )
+        return chunked_head
+    raise AttributeError(f"module 'compilepack' has no attribute {name!r}")

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from . import patching
-from .explain import count_compiles, explain
+from .testing.explain import count_compiles, explain
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -159,7 +159,7 @@ def test_checked_collator_validates_every_batch():
 
 def test_validation_never_runs_inside_the_model(monkeypatch):
     """Checks live on the host: a patched forward neither calls validate nor adds a guard for it."""
-    import compilepack.validation as validate_module
+    import compilepack.batch.validation as validate_module
     from compilepack.patching import family_named
     from tests.models import build_pair
 

@@ -14,7 +14,7 @@ from transformers import DataCollatorWithFlattening
 
 import compilepack
 from compilepack import backends
-from compilepack.boundaries import seq_idx_from_cu_seqlens
+from compilepack.batch.derived import seq_idx_from_cu_seqlens
 from compilepack.ops import (
     causal_conv1d_varlen,
     gated_delta_rule_varlen,

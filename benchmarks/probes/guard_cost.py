@@ -18,7 +18,7 @@ import time
 import torch
 
 import compilepack
-from compilepack import guards
+from compilepack.batch import rules
 from benchmarks.configs import build_bench_model
 from benchmarks.data import hf_packed_batch
 
@@ -72,7 +72,7 @@ def measure(family: str, tokens: int, docs: int, reps: int, compiled: bool) -> t
 def prepare_cost(family: str, tokens: int, docs: int, reps: int) -> tuple[float, float]:
     """Median time of the decoder's per-forward boundary preparation alone (host checks included), with and
     without the guards: the direct cost, robust to outside load."""
-    from compilepack.patching.batch import prepare_packed_kwargs
+    from compilepack.patching.decoder import prepare_packed_kwargs
 
     vocab = build_bench_model(family).config.get_text_config().vocab_size
     batch = _batch(vocab, tokens, docs)

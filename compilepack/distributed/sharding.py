@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from torch import Tensor
 
-from ..boundaries import (
+from ..batch.keys import (
     CU_SEQLENS_K,
     CU_SEQLENS_Q,
     INPUT_IDS,
@@ -40,9 +40,10 @@ from ..boundaries import (
     SHIFT_LABELS,
 )
 from ..errors import ContextParallelError
-from ..guards import refuse
-from ..layout import Boundaries
-from ..validation import IGNORE_INDEX, validate
+from ..batch.rules import refuse
+from ..batch.layout import Boundaries
+from ..batch.keys import IGNORE_INDEX
+from ..batch.validation import validate
 from .context_parallel import ContextParallel
 
 

@@ -1,10 +1,11 @@
-"""Adapters to what users train with: collators (``collators``: boundaries for position-ids-only collators, moving
-a batch while its boundaries stay on the host), TRL and HF Trainer (``trl``, ``trainer``), PEFT + gradient checkpointing compiled (``peft``)."""
+"""Adapters to what users train with: TRL (``trl``: its fused LM heads routed), PEFT + gradient checkpointing
+compiled (``peft``), and the context-parallel HF / TRL trainer (``context_parallel_trainer``). The collator adapters
+live with the batch contract (:mod:`compilepack.batch.collators`) and stay importable here."""
 
 from . import peft  # registers the guard of the input embeddings' requires_grad_ hook with patch()
 from . import trl  # registers the routing of TRL's fused LM head with patch()
-from .collators import add_boundaries, to_device, with_boundaries
-from .trainer import Balance, ContextParallelTrainerMixin, attention_length_of, context_parallel
+from ..batch import add_boundaries, to_device, with_boundaries
+from .context_parallel_trainer import Balance, ContextParallelTrainerMixin, attention_length_of, context_parallel
 
 __all__ = [
     "Balance",

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..boundaries import seq_idx_from_cu_seqlens
+from ..batch.derived import seq_idx_from_cu_seqlens
 from ._scaffold import Op, Path, define_op
 
 L2NORM_EPS = 1e-6  # transformers' l2norm and fla's l2norm_fwd use the same eps

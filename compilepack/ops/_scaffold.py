@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 
 from .. import backends
-from ..guards import refuse_steps_back
+from ..batch.rules import refuse_steps_back
 
 PLACEHOLDER_SHAPE = (0,)  # what the backward op returns for an optional input that was None
 
@@ -100,7 +100,7 @@ def define_op(
         saves_output: whether the backward needs the forward's output (then saved too).
         boundaries: the inputs that hold document boundaries (``cu_seqlens``, its host copy ``cu_seqlens_cpu``,
             ``seq_idx``): the forward refuses them when they decrease, before any compute, where they can be read
-            for free: on the host, and from the host copy when one is given (``guards.refuse_steps_back``).
+            for free: on the host, and from the host copy when one is given (``batch.rules.refuse_steps_back``).
     """
     parameters = _op_parameters(name, signature, differentiable + boundaries)
     names = [p.name for p in parameters]

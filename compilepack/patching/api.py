@@ -265,7 +265,7 @@ def _refuse_kernelized(modules) -> None:
 
 # ------------------------------------------------------------------------------------------------ model extensions
 # What patch() installs on the whole model after its layers, and unpatch() removes: the chunked LM head
-# (compilepack/lm_head.py) and the routing of TRL's fused head (compilepack/integrations/trl.py). They register
+# (compilepack/patching/chunked_head.py) and the routing of TRL's fused head (compilepack/integrations/trl.py). They register
 # themselves here as they are imported (compilepack/__init__.py imports both), so this layer never imports them.
 
 

@@ -25,10 +25,10 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from ..backends import Backends
-from ..boundaries import BOUNDARY_KEYS
+from ..batch.keys import BOUNDARY_KEYS
 from ..errors import IncompatibleTransformersError, UnsupportedModelError
 from . import replacements as R
-from .batch import packed_decoder_forward
+from .decoder import packed_decoder_forward
 from .rebind import global_loads, innermost, install, named_calls, with_globals
 
 # The transformers releases compilepack is tested with (pyproject's dependency says the same; CI runs the family

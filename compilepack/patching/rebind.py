@@ -28,7 +28,7 @@ import inspect
 import types
 from collections.abc import Callable, Mapping
 
-from ..boundaries import BOUNDARY_KEYS
+from ..batch.keys import BOUNDARY_KEYS
 from ..errors import IncompatibleTransformersError
 
 BOUNDARIES_HELPER = "__compilepack_boundaries__"  # the module global that threaded calls read

@@ -18,9 +18,9 @@ from collections.abc import Callable
 
 import torch
 
-from .. import guards
+from ..batch import rules
 from ..backends import Backends
-from ..boundaries import CACHE_KEYS, CU_SEQLENS, CU_SEQLENS_Q, HOST_CU_SEQLENS, MAX_LENGTH_Q, SEQ_IDX
+from ..batch.keys import CACHE_KEYS, CU_SEQLENS, CU_SEQLENS_Q, HOST_CU_SEQLENS, MAX_LENGTH_Q, SEQ_IDX
 from ..distributed.sharding import check_batch
 from ..errors import BoundaryError
 from ..ops import (
@@ -138,19 +138,19 @@ def _refuse_unsupported_attention(module, kwargs) -> None:
     """What a packed batch cannot do that stock attention can: refused, never silently dropped."""
     name = type(module).__name__
     if kwargs.get("dropout", 0.0):
-        guards.refuse(NotImplementedError, (
+        rules.refuse(NotImplementedError, (
             f"{name}: attention dropout ({kwargs['dropout']}) is not supported on packed batches (batches without "
             "boundary kwargs run stock attention, dropout included); set config.attention_dropout = 0.0 to train "
             "packed."
         ))
     config = getattr(module, "config", None)
     if kwargs.get("output_attentions", getattr(config, "output_attentions", False)):
-        guards.refuse(NotImplementedError, (
+        rules.refuse(NotImplementedError, (
             f"{name}: output_attentions=True is not supported on packed batches (compilepack's attention op returns "
             "no weights); run the batch unpacked, without boundary kwargs, to get attention weights."
         ))
     if kwargs.get("softcap") is not None:
-        guards.refuse(NotImplementedError, f"{name}: attention logit softcapping is not supported yet.")
+        rules.refuse(NotImplementedError, f"{name}: attention logit softcapping is not supported yet.")
 
 
 ATTENTION = Replacement(
@@ -280,7 +280,7 @@ def _make_mamba2_chunk_scan(stock: Callable, backends: Backends) -> Callable:
             )
         _refuse_state(initial_states is not None or return_final_states, "Mamba2 scan")
         if z is not None:
-            guards.refuse(NotImplementedError, "mamba2_chunk_scan with a gate z is not supported on packed batches yet.")
+            rules.refuse(NotImplementedError, "mamba2_chunk_scan with a gate z is not supported on packed batches yet.")
         scan = mamba2_chunk_scan_varlen
         if cp is not None:  # head-parallel over the whole rows, or over tokens (a state pass)
             check_batch(kwargs, cp, "Mamba2 scan")
@@ -374,7 +374,7 @@ MAMBA_INNER = _unfused_when_packed(
 
 def _refuse_state(carries_state: bool, what: str) -> None:
     if carries_state:
-        guards.refuse(BoundaryError, (
+        rules.refuse(BoundaryError, (
             f"{what}: a packed batch cannot start from or return a recurrent state (a cache); packed forwards "
             "run with use_cache=False."
         ))

@@ -25,7 +25,8 @@ The reference for "each document alone" is the model itself run on each document
 
 Modules: ``batches`` (what the checks run), ``models`` (the config loader and model builder, shared with
 ``python -m compilepack check``), ``reference`` (each document alone, tolerances), ``exactness``, ``compiles``,
-``precision``, ``refusal`` (the checks), ``results`` (:class:`CheckResult`), ``plugin`` (the fixtures).
+``precision``, ``refusal`` (the checks), ``explain`` (graphs, breaks and compiles counted: ``compilepack.explain``,
+``compilepack.count_compiles``), ``results`` (:class:`CheckResult`), ``plugin`` (the fixtures).
 """
 
 from __future__ import annotations

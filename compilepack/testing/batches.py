@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..boundaries import (
+from ..batch.keys import (
     ATTENTION_MASK,
     BOUNDARY_KEYS,
     CU_SEQLENS_K,
@@ -20,8 +20,8 @@ from ..boundaries import (
     MAX_LENGTH_Q,
     SEQ_IDX,
 )
-from ..layout import Boundaries
-from ..validation import IGNORE_INDEX
+from ..batch.layout import Boundaries
+from ..batch.keys import IGNORE_INDEX
 
 # the chunk of the pure-torch chunked references (compilepack/ops): documents are laid out to cross its edges
 DEFAULT_CHUNK = 64

@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from ..explain import count_compiles, explain
+from .explain import count_compiles, explain
 from .results import CHECK_NAMES, CheckResult, first_line, guarded, raise_unless
 
 THRESHOLD = "1 graph, 0 breaks, 1 compile"

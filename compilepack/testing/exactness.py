@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..boundaries import INPUT_IDS, INPUTS_EMBEDS, LABELS
+from ..batch.keys import INPUT_IDS, INPUTS_EMBEDS, LABELS
 from .batches import PackedBatch, packed_batch
 from .reference import logits_alone, max_error, summed_token_loss, tolerance_for
 from .results import CHECK_NAMES, CheckResult, guarded, raise_unless

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..boundaries import LABELS
+from ..batch.keys import LABELS
 from .batches import PackedBatch
 from .reference import logits_alone, per_document, summed_token_loss
 from .results import CheckResult, guarded, raise_unless

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UnsupportedModelError
-from ..validation import IGNORE_INDEX
+from ..batch.keys import IGNORE_INDEX
 
 # fp32 tolerances of packed vs each document alone, as compilepack's own tests use them: attention alone is exact
 # up to summation order; chunked linear mixers (gated delta rule, SSD scans) add their chunked rounding.

@@ -7,8 +7,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ..boundaries import INPUT_IDS
-from ..validation import validate
+from ..batch.keys import INPUT_IDS
+from ..batch.validation import validate
 from .batches import PackedBatch, malformed_batches, malformed_documents, packed_batch
 from .reference import logits_alone, max_error, tolerance_for
 from .results import CHECK_NAMES, CheckResult, describe_error, guarded, raise_unless

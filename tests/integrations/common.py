@@ -7,7 +7,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from compilepack.validation import IGNORE_INDEX
+from compilepack.batch.keys import IGNORE_INDEX
 from tests.models import random_docs
 
 # Document lengths of the training set: longer than the mixers' chunk (64), 1-token documents, ordinary ones.

@@ -155,7 +155,7 @@ def run(kind: str, family_name: str, out: Path, cp: int, **options) -> dict:
 def chunked(kind: str, family_name: str, out: Path, cp: int, **options) -> dict:
     """The model patched with ``lm_head="chunked"`` before the trainer patches it for context parallelism: the
     head stays chunked (``chunked_head``) and the run is one process's (plain head)."""
-    from compilepack.lm_head import has_chunked_head
+    from compilepack.patching.chunked_head import has_chunked_head
 
     trainer = trainer_for(kind, family_name, out / f"chunked-{kind}-{family_name}", cp=cp, batch=PER_DEVICE_BATCH,
                           lm_head="chunked", **options)

@@ -155,7 +155,7 @@ def test_documents_dealt_by_cost_from_the_trainer_train_as_one_process(world4, t
     ranks' documents of each step."""
     from compilepack.distributed import BalancedBatchSampler
     from compilepack.integrations import attention_length_of
-    from compilepack.integrations.trainer import _balanced_loader
+    from compilepack.integrations.context_parallel_trainer import _balanced_loader
 
     got = world4["balanced:sft:qwen3_5"]
     plan = got["plan"]
@@ -266,7 +266,7 @@ def test_the_modes_name_their_layout_on_the_class():
     from transformers import Trainer
 
     from compilepack.integrations import context_parallel
-    from compilepack.integrations.trainer import Layout
+    from compilepack.integrations.context_parallel_trainer import Layout
 
     hybrid = context_parallel(Trainer, size=8, mode="hybrid", ulysses_size=2, state_pass="log")
     assert hybrid.context_parallel_layout == Layout(8, "hybrid", 2, "log")

@@ -23,9 +23,9 @@ import torch.nn.functional as F
 import compilepack
 from compilepack.backends import resolve
 from compilepack.patching import patch_state
-import compilepack.lm_head as chunked_head
+import compilepack.patching.chunked_head as chunked_head
 from compilepack.errors import CompilepackError, IncompatibleTransformersError
-from compilepack.lm_head import ChunkedCausalLMForward
+from compilepack.patching.chunked_head import ChunkedCausalLMForward
 from compilepack.patching import family_named
 from tests.compiling import graphs_compiled
 from tests.families import available_families, build_tiny, variants

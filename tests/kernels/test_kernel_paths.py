@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from compilepack import backends
-from compilepack.boundaries import seq_idx_from_cu_seqlens
+from compilepack.batch.derived import seq_idx_from_cu_seqlens
 from compilepack.ops import gated_delta_rule, kimi_delta_attention, mamba2
 from tests.ops.properties import assert_close
 from tests.strategies import cu_seqlens_of

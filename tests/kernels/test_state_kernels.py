@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from compilepack import backends
-from compilepack.boundaries import seq_idx_from_cu_seqlens
+from compilepack.batch.derived import seq_idx_from_cu_seqlens
 from compilepack.ops import _fla, gated_delta_rule, kimi_delta_attention, mamba2
 from tests.ops.properties import assert_close, max_error
 from tests.strategies import cu_seqlens_of

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compilepack import guards, ops
+from compilepack.batch import rules
+from compilepack import ops
 from compilepack.ops import _scaffold
 
 T = 12
@@ -89,9 +90,9 @@ def test_boundaries_that_repeat_or_skip_are_accepted(op):
 
 
 def test_seq_idx_is_checked_along_each_row_not_across_rows():
-    guards.refuse_steps_back("op", "seq_idx", torch.tensor([[0, 0, 1], [0, 1, 1]]))  # restarting in each row
+    rules.refuse_steps_back("op", "seq_idx", torch.tensor([[0, 0, 1], [0, 1, 1]]))  # restarting in each row
     with pytest.raises(ValueError, match="goes from 1 to 0 at row 1, index 2"):
-        guards.refuse_steps_back("op", "seq_idx", torch.tensor([[0, 0, 1], [0, 1, 0]]))
+        rules.refuse_steps_back("op", "seq_idx", torch.tensor([[0, 0, 1], [0, 1, 0]]))
 
 
 def test_the_host_copy_is_checked_instead_of_the_tensor_it_copies():
@@ -102,9 +103,9 @@ def test_the_host_copy_is_checked_instead_of_the_tensor_it_copies():
 
 def test_boundaries_off_the_host_are_never_read():
     # a meta tensor cannot be read, as a GPU tensor could not without a sync: the check returns before reading
-    guards.refuse_steps_back("op", "seq_idx", BACK_SEQ_IDX.to("meta"))
+    rules.refuse_steps_back("op", "seq_idx", BACK_SEQ_IDX.to("meta"))
     with pytest.raises(ValueError, match="must not decrease"):  # the same values on the host are refused
-        guards.refuse_steps_back("op", "seq_idx", BACK_SEQ_IDX)
+        rules.refuse_steps_back("op", "seq_idx", BACK_SEQ_IDX)
 
 
 @pytest.mark.parametrize("op", ["causal_conv1d_varlen", "mamba2_chunk_scan_varlen"])

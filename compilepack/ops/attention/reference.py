@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .._chunked import compute_dtype
-from ...guards import refuse_steps_back
+from ...batch.rules import refuse_steps_back
 from .._scaffold import Path
 
 # ``window_left`` when there is no sliding window: flash-attn's and torch's "unbounded" (-1), passed through as is

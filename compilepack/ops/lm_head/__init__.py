@@ -10,7 +10,7 @@ one opaque node under ``torch.compile``: no graph break, no recompile as ``N`` c
 - ``reference.py``: pure torch (any device), explicit backward;
 - ``naive.py``: the whole ``[N, V]`` logits at once, the tests' oracle.
 
-``compilepack.lm_head`` builds a causal LM's loss on it (HF ``Trainer``, hand loops) and
+``compilepack.patching.chunked_head`` builds a causal LM's loss on it (HF ``Trainer``, hand loops) and
 ``compilepack.integrations.trl`` routes TRL's fused LM head to it.
 """
 

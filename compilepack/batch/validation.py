@@ -3,7 +3,7 @@
 Every check runs here, outside the compiled region, so none of them adds a graph, a guard or a host sync to
 the model. ``PackedCollator`` calls :func:`validate` on every batch it emits; :func:`checked` wraps any other
 collator (``DataCollatorWithFlattening``, TRL's) the same way. The rules and their messages are
-:mod:`compilepack.guards`' (the patched model checks the same boundary rules on every call); validation adds the
+:mod:`.rules`' (the patched model checks the same boundary rules on every call); validation adds the
 two that only a data pipeline can own: position ids restarting per document, and labels at document starts.
 """
 
@@ -14,12 +14,10 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from . import guards
-from .boundaries import FIX_COLLATE, LABELS, MAX_LENGTH_KEYS, POSITION_IDS
+from . import rules
+from .keys import FIX_COLLATE, IGNORE_INDEX, LABELS, MAX_LENGTH_KEYS, POSITION_IDS
 from .layout import Boundaries
-from .errors import BoundaryError
-
-IGNORE_INDEX = -100
+from ..errors import BoundaryError
 
 
 def validate(batch: Mapping) -> Boundaries | None:
@@ -32,11 +30,11 @@ def validate(batch: Mapping) -> Boundaries | None:
     """
     tokens = _tokens(batch)
     rows, row_length = tokens.shape[0], tokens.shape[1]
-    if not guards.has_boundaries(batch):
+    if not rules.has_boundaries(batch):
         _refuse_unmarked_packing(batch)
         return None
-    guards.check_static(batch, tokens)
-    cu = guards.check_values_on_host(batch, rows, row_length)
+    rules.check_static(batch, tokens)
+    cu = rules.check_values_on_host(batch, rows, row_length)
     lengths = [e - s for s, e in zip(cu[:-1], cu[1:])]
     bounds = [int(batch[key]) for key in MAX_LENGTH_KEYS if batch.get(key) is not None]
     boundaries = Boundaries.from_lengths(lengths, rows=rows, max_seqlen=max(bounds) if bounds else None)
@@ -77,12 +75,8 @@ def _tokens(batch: Mapping) -> torch.Tensor:
 def _refuse_unmarked_packing(batch: Mapping) -> None:
     """Packed rows without boundary kwargs would run as one long sequence: refuse them."""
     position_ids = batch.get(POSITION_IDS)
-    if position_ids is None:
-        return
-    text_positions = position_ids[0] if position_ids.dim() == 3 else position_ids
-    refusal = guards.unmarked_packing_on_host(text_positions)
-    if refusal is not None:
-        raise refusal
+    if position_ids is not None:
+        rules.refuse_unmarked_packing(position_ids[0] if position_ids.dim() == 3 else position_ids)
 
 
 def _checked_position_ids(batch: Mapping, boundaries: Boundaries) -> torch.Tensor:
@@ -100,7 +94,7 @@ def _checked_position_ids(batch: Mapping, boundaries: Boundaries) -> torch.Tenso
         at = int((flat != expected).nonzero()[0])
         doc = int(boundaries.seq_idx.flatten()[at])
         cu = boundaries.cu_seqlens.tolist()
-        raise guards.POSITIONS_RESTART.refuse(
+        raise rules.POSITIONS_RESTART.refuse(
             f"position {flat[at].item()} at token {at} (document {doc}, tokens {cu[doc]}:{cu[doc + 1]}), "
             f"where {expected[at].item()} was expected"
         )
@@ -120,10 +114,10 @@ def _check_labels(batch: Mapping, boundaries: Boundaries) -> None:
     flat = labels.to("cpu").flatten()
     leaking = [s for s in starts if flat[s].item() != IGNORE_INDEX]
     if leaking:
-        raise guards.LABELS_AT_STARTS.refuse(f"{flat[leaking[0]].item()} at the document start at token {leaking[0]}")
+        raise rules.LABELS_AT_STARTS.refuse(f"{flat[leaking[0]].item()} at the document start at token {leaking[0]}")
 
 
 def _shaped_like_tokens(key: str, expected_shape: tuple, value: torch.Tensor) -> BoundaryError:
-    rule = dataclasses.replace(guards.SHAPED_LIKE_TOKENS, key=key, expected=f"the shape of input_ids {expected_shape}")
+    rule = dataclasses.replace(rules.SHAPED_LIKE_TOKENS, key=key, expected=f"the shape of input_ids {expected_shape}")
     return rule.refuse(str(tuple(value.shape)))
 

@@ -54,14 +54,14 @@ import functools
 import torch
 import torch.distributed as dist
 
-from ..boundaries import INPUT_IDS, LABELS, NUM_ITEMS_IN_BATCH, SHIFT_LABELS
+from ..batch.keys import INPUT_IDS, LABELS, NUM_ITEMS_IN_BATCH, SHIFT_LABELS
 from ..distributed import BalancedBatchSampler, ContextParallel, shard_batch
 from ..distributed.context_parallel import HYBRID, SEQUENCE, ULYSSES
 from ..distributed.scan import SCHEDULES
 from ..errors import ContextParallelError
 from ..patching import ATTENTION, family_of, patch
-from ..validation import IGNORE_INDEX
-from .collators import to_device
+from ..batch.keys import IGNORE_INDEX
+from ..batch.collators import to_device
 
 __all__ = ["Balance", "ContextParallelTrainerMixin", "attention_length_of", "context_parallel"]
 

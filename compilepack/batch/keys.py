@@ -1,4 +1,4 @@
-"""The boundaries of a packed batch: the keys that carry them, and what is derived from them.
+"""The keys of a packed batch that carry its boundaries, and the batch's constants.
 
 A packed batch is the HF collator's format: tokens of several documents concatenated in one row (``[1, T]``), or
 in ``R`` rows whose edges are also document edges, with the boundaries passed alongside as
@@ -8,15 +8,12 @@ in ``R`` rows whose edges are also document edges, with the boundaries passed al
 - ``seq_idx``: ``int32 [R, T]`` document index of every token,
 - ``position_ids``: ``int64 [R, T]`` position inside the document (restarting at each document).
 
-This module is the one home of those key names and of the derivations (document starts, ``seq_idx`` and positions
-from ``cu_seqlens``): every other module imports them from here. The rules they must satisfy live in
-:mod:`compilepack.guards`; :class:`compilepack.Boundaries` (``layout``) builds them on the host. The derivations
-are traceable: no host read, no data-dependent shape.
+This module is the one home of those key names and of the batch's constants: every other module imports them from
+here. What a model derives from them is :mod:`.derived`; the rules they must satisfy are :mod:`.rules`;
+:class:`~compilepack.Boundaries` (:mod:`.layout`) builds them on the host.
 """
 
 from __future__ import annotations
-
-import torch
 
 # The boundary kwargs, as DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True) names them.
 CU_SEQLENS_Q, CU_SEQLENS_K = "cu_seq_lens_q", "cu_seq_lens_k"
@@ -46,31 +43,5 @@ FIX_COLLATE = (
     "collate with transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True) "
     "or compilepack.PackedCollator"
 )
-
-
-def document_starts(ids: torch.Tensor, step: int = 0) -> torch.Tensor:
-    """``[rows, T]`` bool: where a document starts, given document ids (``step`` 0: where the id changes) or
-    positions (``step`` 1: where a position does not follow the previous one). Every row start counts. Traceable:
-    no host read."""
-    starts = torch.ones_like(ids, dtype=torch.bool)
-    starts[:, 1:] = ids[:, 1:] != ids[:, :-1] + step
-    return starts
-
-
-def seq_idx_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """Document index of every token, ``int32 [total]``, from ``cu_seqlens`` ``[N+1]``: document ``i`` holds tokens
-    ``cu_seqlens[i]:cu_seqlens[i + 1]``.
-
-    One ``searchsorted``. Zero-length documents (the fixed-shape collator's unused slots) take no tokens, so their
-    indices never appear: the numbering counts them, as ``Boundaries.from_lengths`` and the HF collator do.
-    """
-    positions = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
-    # Search the whole tensor (size N+1 >= 2), not cu_seqlens[1:]: a size-1 slice for a one-document batch
-    # would be specialised by the compiler and cost a recompile.
-    return (torch.searchsorted(cu_seqlens, positions, right=True) - 1).to(torch.int32)
-
-
-def positions_in_documents(cu_seqlens: torch.Tensor, seq_idx: torch.Tensor) -> torch.Tensor:
-    """``int64`` position of every token inside its document (``seq_idx``: flat, from :func:`seq_idx_from_cu_seqlens`)."""
-    positions = torch.arange(seq_idx.numel(), device=seq_idx.device)
-    return positions - cu_seqlens.to(torch.int64)[seq_idx.to(torch.int64)]
+# The label a loss skips (ForCausalLMLoss's default ignore_index): a packed row carries it at each document start.
+IGNORE_INDEX = -100

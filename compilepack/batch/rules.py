@@ -27,7 +27,7 @@ from collections.abc import Mapping
 import torch
 from torch._dynamo.exc import UserError, UserErrorType
 
-from .boundaries import (
+from .keys import (
     ATTENTION_MASK,
     BOUNDARY_KEYS,
     CACHE_KEYS,
@@ -41,9 +41,9 @@ from .boundaries import (
     MAX_LENGTH_Q,
     POSITION_IDS,
     SEQ_IDX,
-    document_starts,
 )
-from .errors import BoundaryError
+from .derived import document_starts
+from ..errors import BoundaryError
 
 _INTEGER_DTYPES = (torch.int32, torch.int64)
 
@@ -341,19 +341,23 @@ def assert_seq_idx_in_graph(given: torch.Tensor, derived: torch.Tensor) -> None:
     SEQ_IDX_AGREES.assert_async((document_starts(given.to(derived.device)) == document_starts(derived)).all())
 
 
-def unmarked_packing_on_host(position_ids: torch.Tensor) -> BoundaryError | None:
-    """The refusal for position ids that restart inside a row of a batch without boundaries, or None."""
+def refuse_unmarked_packing(position_ids: torch.Tensor, *, read_on_host: bool = True) -> None:
+    """Refuse ``[rows, T]`` position ids that restart inside a row of a batch without boundary kwargs: such a batch
+    runs every row as one sequence, so a restart means the boundaries were dropped.
+
+    ``read_on_host``: read the positions (copied to the host if need be) and raise :class:`BoundaryError`, as host
+    validation and an eager forward on host positions do. Otherwise (inside a compiled graph, or positions on an
+    accelerator, where reading them would be a host sync) an asynchronous device assert carrying the same rule.
+    """
+    if not read_on_host:
+        restarts = document_starts(position_ids, step=1)[:, 1:]  # a row start is no restart
+        UNMARKED_PACKING.assert_async(~restarts.any())
+        return
     restarts = document_starts(position_ids.to("cpu"), step=1)
     restarts[:, 0] = False  # a row start is no restart
-    if not restarts.any():
-        return None
-    row, column = restarts.nonzero()[0].tolist()
-    return UNMARKED_PACKING.refuse(f"a restart at row {row}, token {column} and no boundary kwargs")
-
-
-def assert_no_unmarked_packing_in_graph(position_ids: torch.Tensor) -> None:
-    restarts = document_starts(position_ids, step=1)[:, 1:]  # a row start is no restart
-    UNMARKED_PACKING.assert_async(~restarts.any())
+    if restarts.any():
+        row, column = restarts.nonzero()[0].tolist()
+        raise UNMARKED_PACKING.refuse(f"a restart at row {row}, token {column} and no boundary kwargs")
 
 
 def has_cache(kwargs: Mapping) -> bool:

@@ -12,19 +12,10 @@ from typing import NamedTuple
 
 import torch
 
-from . import guards
-from .boundaries import (
-    CU_SEQLENS_K,
-    CU_SEQLENS_Q,
-    MAX_LENGTH_K,
-    MAX_LENGTH_Q,
-    POSITION_IDS,
-    SEQ_IDX,
-    document_starts,
-    positions_in_documents,
-    seq_idx_from_cu_seqlens,
-)
-from .errors import BoundaryError
+from . import rules
+from .keys import CU_SEQLENS_K, CU_SEQLENS_Q, MAX_LENGTH_K, MAX_LENGTH_Q, POSITION_IDS, SEQ_IDX
+from .derived import document_starts, positions_in_documents, seq_idx_from_cu_seqlens
+from ..errors import BoundaryError
 
 
 class Boundaries(NamedTuple):
@@ -64,7 +55,7 @@ class Boundaries(NamedTuple):
                 f"{total} tokens cannot be laid out in {rows} equal rows; pad the last document of each row."
             )
         row_length = total // rows
-        guards.check_row_edges_on_host(cu, rows, row_length)
+        rules.check_row_edges_on_host(cu, rows, row_length)
         cu_seqlens = torch.tensor(cu, dtype=torch.int32)
         seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, total)
         positions = positions_in_documents(cu_seqlens, seq_idx) + position_start

@@ -29,15 +29,14 @@ import textwrap
 import torch
 import torch.nn.functional as F
 
-from .boundaries import CACHE_KEYS, LABELS, NUM_ITEMS_IN_BATCH, SHIFT_LABELS
-from .errors import CompilepackError, IncompatibleTransformersError
-from .ops.lm_head import default_chunk_tokens, lm_head_logprobs
-from .patching.api import ModelExtension, register_extension
-from .patching.rebind import innermost
+from ..batch.keys import CACHE_KEYS, IGNORE_INDEX, LABELS, NUM_ITEMS_IN_BATCH, SHIFT_LABELS
+from ..errors import CompilepackError, IncompatibleTransformersError
+from ..ops.lm_head import default_chunk_tokens, lm_head_logprobs
+from .api import ModelExtension, register_extension
+from .rebind import innermost
 
 CHUNKED = "chunked"
 LM_HEADS = (CHUNKED,)
-IGNORE_INDEX = -100  # ForCausalLMLoss's default
 
 # How the supported causal LMs turn hidden states into logits (one line each, whitespace removed). A forward with
 # any other ``logits = ...`` line is refused: the chunked head would compute another loss than its own.

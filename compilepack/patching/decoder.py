@@ -4,7 +4,7 @@ tensors, or hand a batch without boundaries to the stock forward.
 The layers below receive the same keys the HF collator emits (``cu_seq_lens_q``, ``max_length_q``,
 ``seq_idx``...), already on the model's device, so no layer moves or derives anything itself. This code is
 traced by dynamo: inside a graph it branches only on static facts (which keys are present, types, devices),
-never on tensor values; the value rules become asynchronous device asserts there (:mod:`compilepack.guards`).
+never on tensor values; the value rules become asynchronous device asserts there (:mod:`compilepack.batch.rules`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from .. import guards
-from ..boundaries import (
+from ..batch import rules
+from ..batch.keys import (
     ATTENTION_MASK,
     INPUT_IDS,
     INPUTS_EMBEDS,
@@ -27,9 +27,8 @@ from ..boundaries import (
     POSITION_IDS,
     SEQ_IDX,
     SHARD_KEY,
-    positions_in_documents,
-    seq_idx_from_cu_seqlens,
 )
+from ..batch.derived import positions_in_documents, seq_idx_from_cu_seqlens
 from ..distributed.sharding import check_batch, shards_per_row
 from ..errors import ContextParallelError
 
@@ -50,7 +49,7 @@ def packed_decoder_forward(
     @functools.wraps(stock_forward)  # the stock signature, for inspect.signature, Trainer and PEFT
     def forward(self, *args, **kwargs):
         kwargs.update(zip(parameter_names, args))  # transformers passes keywords; positional ones are named here
-        if guards.has_boundaries(kwargs):
+        if rules.has_boundaries(kwargs):
             return packed_forward(self, **prepare_packed_kwargs(kwargs, context_parallel))
         if not (stock_packs_positions and not _builds_cache(self, kwargs)):
             _refuse_unmarked_packing(kwargs)
@@ -74,17 +73,17 @@ def prepare_packed_kwargs(kwargs: dict, context_parallel=None) -> dict:
     else:  # a shard holds 1/W of every row; its boundaries (cu_seq_lens_q, seq_idx) describe whole rows
         check_batch(kwargs, context_parallel, "the packed decoder")
         row_length *= shards_per_row(kwargs, tokens)
-    guards.check_static(kwargs, tokens, row_length)
+    rules.check_static(kwargs, tokens, row_length)
     given = kwargs[CU_SEQLENS_Q]
     on_host = given.device.type == "cpu" and not torch.compiler.is_compiling()
     if on_host:
-        guards.check_values_on_host(kwargs, rows, row_length)
+        rules.check_values_on_host(kwargs, rows, row_length)
     cu_seqlens = given.to(device=tokens.device, dtype=torch.int32, non_blocking=True)
     seq_idx = seq_idx_from_cu_seqlens(cu_seqlens, rows * row_length).view(rows, row_length)
     if not on_host:
-        guards.assert_values_in_graph(kwargs, cu_seqlens, seq_idx)
+        rules.assert_values_in_graph(kwargs, cu_seqlens, seq_idx)
     elif kwargs.get(SEQ_IDX) is not None and kwargs[SEQ_IDX].device.type != "cpu":
-        guards.assert_seq_idx_in_graph(kwargs[SEQ_IDX], seq_idx)
+        rules.assert_seq_idx_in_graph(kwargs[SEQ_IDX], seq_idx)
     max_seqlen = _max_seqlen(kwargs.get(MAX_LENGTH_Q), row_length, on_host)
     kwargs.update({
         CU_SEQLENS_Q: cu_seqlens,
@@ -107,7 +106,7 @@ def prepare_packed_kwargs(kwargs: dict, context_parallel=None) -> dict:
 def _refuse_shard(kwargs: dict) -> None:
     """A batch sharded for context parallelism, given to a model patched without it (a static fact)."""
     if kwargs.get(SHARD_KEY) is not None:
-        guards.refuse(
+        rules.refuse(
             ContextParallelError,
             f"the batch was sharded for context parallelism (it has '{SHARD_KEY}') but the model was patched without "
             "it; patch with compilepack.patch(model, context_parallel=group), or pass the unsharded batch.",
@@ -134,14 +133,10 @@ def _refuse_unmarked_packing(kwargs: dict) -> None:
     device assert, which fails the step with a ``RuntimeError`` carrying the same rule (on CUDA at the next
     synchronisation). Padded batches, cached decoding and multimodal (3-D) position ids are not checked."""
     position_ids = kwargs.get(POSITION_IDS)
-    if position_ids is None or position_ids.dim() != 2 or kwargs.get(ATTENTION_MASK) is not None or guards.has_cache(kwargs):
+    if position_ids is None or position_ids.dim() != 2 or kwargs.get(ATTENTION_MASK) is not None or rules.has_cache(kwargs):
         return
-    if position_ids.device.type == "cpu" and not torch.compiler.is_compiling():
-        refusal = guards.unmarked_packing_on_host(position_ids)
-        if refusal is not None:
-            raise refusal
-        return
-    guards.assert_no_unmarked_packing_in_graph(position_ids)
+    on_host = position_ids.device.type == "cpu" and not torch.compiler.is_compiling()
+    rules.refuse_unmarked_packing(position_ids, read_on_host=on_host)
 
 
 def _builds_cache(module: torch.nn.Module, kwargs: dict) -> bool:
