@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -54,6 +55,64 @@ def test_the_library_never_imports_the_benchmark():
     offenders = [str(p.relative_to(ROOT)) for p in [*ROOT.glob("compilepack/**/*.py"), *ROOT.glob("patches/*.py")]
                  if imports.search(p.read_text())]
     assert offenders == []
+
+
+# The library's layers, from the ground up: a module imports only from its own layer or those below it (the
+# package's face, compilepack/__init__.py, sits above the library; the command line above the face).
+LAYERS = ("errors", "batch", "backends", "distributed", "ops", "patching", "patches", "integrations", "testing",
+          "__init__", "check", "cli", "__main__")
+# the registry imports the family files it discovers (a plugin folder, loaded on first use), the one import upward
+DISCOVERS = {("compilepack/patching/family.py", "compilepack.patches")}
+
+
+def _layer_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _library_imports(path: Path) -> set[str]:
+    """The compilepack modules one file imports (function-level imports included), as dotted names."""
+    name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+    if name.startswith("patches"):
+        name = "compilepack." + name
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.split(".")[0] == "compilepack"}
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            base = base[: len(base) - node.level + 1] if node.level else []
+            target = ".".join([*base, *([node.module] if node.module else [])])
+            if target.split(".")[0] == "compilepack":
+                # ``from . import x``: x is a submodule when it is one
+                found |= {f"{target}.{a.name}" if (ROOT / "compilepack" / f"{a.name}.py").exists()
+                          or (ROOT / "compilepack" / a.name).is_dir() and target == "compilepack" else target
+                          for a in node.names}
+    return found
+
+
+def test_imports_point_down_the_layers():
+    """No module imports a layer above its own (LAYERS), so no two layers import each other: the layout shows the
+    architecture. A new top-level module or subpackage must be placed in LAYERS."""
+    files = [*ROOT.glob("compilepack/**/*.py"), *ROOT.glob("patches/*.py")]
+    upward = []
+    for path in files:
+        here = "patches" if path.parts[-2] == "patches" else _layer_of(
+            ".".join(path.relative_to(ROOT).with_suffix("").parts))
+        assert here in LAYERS, f"{path.relative_to(ROOT)}: place its layer '{here}' in LAYERS"
+        for module in _library_imports(path):
+            there = _layer_of(module)
+            if LAYERS.index(there) > LAYERS.index(here) and (str(path.relative_to(ROOT)), module) not in DISCOVERS:
+                upward.append(f"{path.relative_to(ROOT)} imports {module} ({there} is above {here})")
+    assert upward == []
+
+
+def test_the_package_top_level_holds_only_its_face():
+    """What the package holds loose at its top level: the face, ``python -m``, the errors (every layer raises them)
+    and the modules not yet in a subpackage. Everything else lives in a subpackage named for its layer."""
+    loose = sorted(p.name for p in (ROOT / "compilepack").glob("*.py"))
+    assert loose == ["__init__.py", "__main__.py", "backends.py", "check.py", "cli.py", "errors.py"]
 
 
 def test_every_patch_module_registers_a_family():

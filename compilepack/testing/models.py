@@ -137,7 +137,7 @@ def build_model(model, *, layers: int | str | None = "per_kind", seed: int = 0, 
 
     >>> model = build_model(name)  # doctest: +SKIP
     """
-    import compilepack
+    from ..patching import patch as patched_model
 
     config, _ = load_config(model)
     if layers == "per_kind":
@@ -146,7 +146,7 @@ def build_model(model, *, layers: int | str | None = "per_kind", seed: int = 0, 
         config = reduced_config(config, int(layers))
     torch.manual_seed(seed)
     built = causal_lm_builder()(config).float().eval()
-    return compilepack.patch(built) if patch else built
+    return patched_model(built) if patch else built
 
 
 # ------------------------------------------------------------------------------------------------------ the layers
