@@ -1,4 +1,4 @@
-"""``python -m compilepack check MODEL`` and ``python -m compilepack explain <family>`` (see ``cli``)."""
+"""``python -m compilepack check MODEL`` and ``python -m compilepack explain <family>`` (see :mod:`compilepack.cli`)."""
 
 import sys
 

@@ -13,7 +13,7 @@ import transformers
 
 import compilepack
 from compilepack import testing
-from compilepack.check import run_checks
+from compilepack.cli.check import run_checks
 from compilepack.cli import main
 from compilepack.patching import family_named
 from tests.families import available_families, build_tiny, tiny_config
@@ -282,7 +282,7 @@ def test_json_report_into_a_missing_folder_creates_it(tmp_path, capsys):
 def test_a_failing_check_reports_the_failure_in_the_table(capsys):
     model = _drop_boundaries(_tiny("llama"))
     results = run_checks(model, ["packed"])
-    from compilepack.check import format_table
+    from compilepack.cli.check import format_table
 
     table = format_table(results)
     assert "packed == alone  FAIL" in table and "worst batch" in table

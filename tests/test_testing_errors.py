@@ -11,9 +11,9 @@ import re
 import pytest
 import torch
 
-import compilepack.check
+import compilepack.cli.check
 from compilepack import testing
-from compilepack.check import format_table, run_checks
+from compilepack.cli.check import format_table, run_checks
 from compilepack.cli import main
 from compilepack.patching import family_named
 from tests.families import build_tiny, tiny_config
@@ -74,7 +74,7 @@ def test_a_check_that_errors_keeps_its_full_name_in_the_table_and_the_json(tmp_p
     results = run_checks(RaisingModel(), ["packed", "bf16"])
     assert [r.name for r in results] == ["packed == alone", "bf16 autocast"]
     assert "packed == alone  FAIL    error: ValueError" in format_table(results)
-    monkeypatch.setattr(compilepack.check, "load_model", lambda args: (RaisingModel(), "a raising stand-in"))
+    monkeypatch.setattr(compilepack.cli.check, "load_model", lambda args: (RaisingModel(), "a raising stand-in"))
     report = tmp_path / "report.json"
     assert main(["check", "llama", "--stock", "--checks", "packed,bf16", "--json", str(report)]) == 1
     assert "bf16 autocast    FAIL    error: ValueError" in capsys.readouterr().out

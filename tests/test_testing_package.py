@@ -3,7 +3,7 @@ before the split is still importable from ``compilepack.testing``, with the pyte
 
 from __future__ import annotations
 
-import compilepack.check
+import compilepack.cli.check
 from compilepack import testing
 
 CONTRACT = [  # the module's __all__ before it became a package
@@ -27,5 +27,5 @@ def test_the_public_names_survive_the_split():
 
 def test_check_command_has_no_loader_or_builder_of_its_own():
     """One config loader and one model builder: compilepack.testing.models', which the command calls."""
-    assert not {"_config", "_builder", "_refuse_remote_code"} & set(vars(compilepack.check))
-    assert set(compilepack.check.CHECKS) == set(testing.CHECK_NAMES)
+    assert not {"_config", "_builder", "_refuse_remote_code"} & set(vars(compilepack.cli.check))
+    assert set(compilepack.cli.check.CHECKS) == set(testing.CHECK_NAMES)

@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-from . import testing
-from .errors import UnsupportedModelError
-from .testing.results import describe_error, guarded
+from .. import testing
+from ..errors import UnsupportedModelError
+from ..testing.results import describe_error, guarded
 
 CHECKS = tuple(testing.CHECK_NAMES)  # the short keys of --checks; results carry the full names
 

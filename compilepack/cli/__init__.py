@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from . import patching
-from .testing.explain import count_compiles, explain
+from .. import patching
+from ..testing.explain import count_compiles, explain
 
 
 def main(argv: list[str] | None = None) -> int:
