@@ -1,4 +1,4 @@
-"""The imbalance table of docs/context-parallel.md: arrival-order dealing against
+"""The imbalance table of docs/context-parallel-evidence.md: arrival-order dealing against
 ``compilepack.distributed.BalancedBatchSampler`` on the benchmark's document mix (20 000 documents).
 
     python -m benchmarks.probes.balance

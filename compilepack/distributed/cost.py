@@ -1,8 +1,8 @@
 """What context parallelism costs: the elements each rank sends per layer, the collectives (latencies) it waits on,
 and a model of the step time on a cluster, for the three modes (Ulysses, sequence, hybrid).
 
-The formulas here are the ones docs/context-parallel.md states; the tests count the elements at every collective of
-a real forward and compare them with :func:`elements_sent` (tests/distributed). ``python -m
+The formulas here are the ones docs/context-parallel-evidence.md states; the tests count the elements at every
+collective of a real forward and compare them with :func:`elements_sent` (tests/distributed). ``python -m
 compilepack.distributed.cost`` prints the docs' tables.
 
 Notation: ``T`` the tokens of all rows of the global batch (padded), ``R`` its rows, ``W`` the context-parallel size
@@ -305,8 +305,8 @@ def _format_bytes(value: float) -> str:
 
 
 def tables(cluster: Cluster = Cluster()) -> str:
-    """docs/context-parallel.md's comparison: per model, W and row length, each mode's communication per rank and
-    layer (forward), its collectives, the mixers' memory per rank, and the modelled step time."""
+    """docs/context-parallel-evidence.md's comparison: per model, W and row length, each mode's communication per
+    rank and layer (forward), its collectives, the mixers' memory per rank, and the modelled step time."""
     lines = ["| model | W | tokens | mode | sent per rank, attention layer | sent per rank, linear layer | collectives "
              "per layer (attention / linear) | mixers' activations per rank (all layers) | step: compute + "
              "communication (s) |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

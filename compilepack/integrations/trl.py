@@ -35,13 +35,31 @@ Which TRL (every 1.x release checked, 2026-12-04; docs/integrations.md, "Upstrea
 - 1.16: routed. A later TRL is routed only while its head loads the same globals and its kernel takes the same
   arguments; otherwise it is left alone with the same one warning. ``patch()`` never fails for what TRL has or lacks.
 
-Why renamed globals and an import hook, not a supported seam. Looked for, in TRL 1.15 and 1.16: a registry or hook
-for the head's kernel in ``trl.kernels`` (none: ``ChunkedLogProbFunction`` is imported by name into
-``trl.trainer.utils`` and read as a module global); an ``SFTConfig`` option to skip the head or choose its kernel
-(none: ``SFTTrainer.__init__`` calls ``add_fused_lm_head`` unconditionally); a trainer method to override
-(``compute_loss``: only a user's subclass could, not ``patch()``); transformers' hub-kernel hooks
-(``use_kernel_forward_from_hub``: TRL's head does not go through them). The import hook is needed only when
-``patch()`` runs before TRL is imported, and it leaves ``sys.meta_path`` as soon as ``trl.trainer.utils`` loads.
+Seams looked for (TRL 1.14.2, 1.15.0, 1.16.0; line numbers are 1.16.0's): compilepack renames a global only where
+TRL offers no supported seam for it.
+
+- ``_ChunkedLogProbFunction`` (the head's kernel): a registry, hook or argument that picks it. None: ``trl.kernels``
+  exports the class, ``trl/trainer/utils.py:60`` imports it by name and ``_fused_forward`` reads the module global
+  (utils.py:1644); ``add_fused_lm_head`` takes only ``temperature``, ``cast_lm_head_to_fp32`` and ``outputs``
+  (utils.py:1548). 1.15 the same (utils.py:505, or None without Triton); 1.14 has no fused head. Renamed.
+- ``_use_triton`` (score every position): an option or variable that forces the uncompacted path. None: it is
+  ``_TRITON_AVAILABLE and device.type in ("cuda", "xpu")`` (``trl/kernels/chunked_logprob.py:48``); 1.15 always
+  scores ``hidden[mask]`` (so its head is left unrouted). Renamed.
+- ``maybe_gather_lm_head_ctx``: none needed: TRL's own is a null context without ZeRO-3 (utils.py:200), and
+  ``route`` refuses ZeRO-3 first. Renamed to a null context, so that it stays one.
+- ``_chunked_cross_entropy_loss`` (1.5-1.14's chunked head): an option that picks its kernel: none. 1.14 can drop the
+  head, ``SFTConfig(loss_type="nll")`` (1.14.2 sft_trainer.py:1330; ``"chunked_nll"`` is the default,
+  sft_config.py:334): the user's choice, and it drops the head instead of replacing its kernel. Renamed.
+- The wrapped adders and the import hook (a head TRL adds after ``patch()``): an ``SFTConfig`` option that skips or
+  picks the head (1.15, 1.16: none; ``SFTTrainer.__init__`` calls ``add_fused_lm_head`` unconditionally,
+  sft_trainer.py:1144); ``compute_loss_func`` (1.14-1.16, deprecated from 1.15: it is given the full ``[T, V]``
+  logits, and 1.16 still runs the fused head under ``no_grad`` for the metrics, sft_trainer.py:1593-1598). Two
+  supported seams exist in all three releases: overriding ``SFTTrainer.compute_loss`` in a subclass (TRL's advice,
+  sft_trainer.py:1052) and a ``TrainerCallback.on_train_begin`` (transformers, after the model is prepared, before
+  the first step); both belong to the user's trainer, while ``patch(model)`` is given a model. Liger
+  (``use_liger_kernel``; 1.15-1.16 refuse its fused linear cross-entropy, sft_trainer.py:1135) and Hub kernels
+  (``model_init_kwargs={"use_kernels": True}``) replace layers, not the head. The wrap stays; the import hook
+  serves only ``patch()`` before ``import trl`` and leaves ``sys.meta_path`` as soon as ``trl.trainer.utils`` loads.
 """
 
 from __future__ import annotations

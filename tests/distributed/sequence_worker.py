@@ -296,8 +296,8 @@ def refusals() -> dict:
 
 
 def report(results_folder: str | None = None) -> None:
-    """Print docs/context-parallel.md's exactness table for the modes over tokens (the worst batch of each family,
-    mode and W; controls: the smallest): ``python -m tests.distributed.sequence_worker`` (about 8 minutes on 2
+    """Print docs/context-parallel-evidence.md's exactness table for the modes over tokens (the worst batch of each
+    family, mode and W; controls: the smallest): ``python -m tests.distributed.sequence_worker`` (about 8 minutes on 2
     cores), or ``python -m tests.distributed.sequence_worker FOLDER`` from the figures the cp8 stage kept there
     (``COMPILEPACK_CP_RESULTS=FOLDER``)."""
     import tempfile

@@ -16,7 +16,7 @@ BENCH_LENGTHS = LengthMix().sample(4000, seed=0)  # the benchmark's long-tailed 
 @pytest.mark.parametrize("ranks", [2, 4, 8])
 def test_balanced_dealing_brings_the_slowest_rank_near_the_mean(ranks):
     """max / mean of the ranks' step cost: arrival-order dealing (equal document counts) vs cost-balanced dealing
-    of the same steps. The full-size figures are in docs/context-parallel.md."""
+    of the same steps. The full-size figures are in docs/context-parallel-evidence.md."""
     report = imbalance_report(BENCH_LENGTHS, ranks, tokens_per_rank=8192)
     assert report["before_mean"] >= 1.05, report  # the problem is real on this mix
     assert report["after_mean"] <= 1.01 and report["after_max"] <= 1.02, report
@@ -155,8 +155,8 @@ def test_feeds_a_dataloader_with_a_packing_collator():
 
 
 def test_the_docs_table_command_prints_the_table_without_a_runner_warning():
-    """The imbalance table of docs/context-parallel.md comes from ``python -m benchmarks.probes.balance`` (it was
-    ``python -m compilepack.distributed.balance``, a module its own package imports first: Python's module runner
+    """The imbalance table of docs/context-parallel-evidence.md comes from ``python -m benchmarks.probes.balance`` (it
+    was ``python -m compilepack.distributed.balance``, a module its own package imports first: Python's module runner
     warned on every run)."""
     import subprocess
     import sys

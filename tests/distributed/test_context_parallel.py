@@ -74,7 +74,7 @@ def test_controls_miss_by_far(results, family):
 
 @pytest.mark.parametrize("family", COMMUNICATION)
 def test_communication_follows_the_documented_formula(results, family):
-    """Elements a rank sends in one forward, counted at every all-to-all, equal docs/context-parallel.md's
+    """Elements a rank sends in one forward, counted at every all-to-all, equal docs/context-parallel-evidence.md's
     ``sum over layers of (W - 1) / W^2 x T x e`` (e from the config: attention, Gated DeltaNet, Mamba2)."""
     figures = results[f"communication:{family}"]
     assert figures["measured"] == figures["formula"] > 0, figures

@@ -1,7 +1,8 @@
-"""FSDP2 in the sequence and hybrid modes (docs/context-parallel.md, "FSDP2"): 4 gloo processes, parameters sharded
-by ``fully_shard`` over all 4, the world one context-parallel group (sequence over 4; hybrid: Ulysses over 2 x
-sequence over 2), configs with 2 query heads and 1 kv head. The gradient is one process's within the families'
-1e-4 (relative to the largest gradient entry); the control (state pass and halo skipped) misses by 0.05 at least.
+"""FSDP2 in the sequence and hybrid modes (docs/context-parallel-evidence.md, "FSDP2 in the sequence and hybrid modes"):
+4 gloo processes, parameters sharded by ``fully_shard`` over all 4, the world one context-parallel group (sequence over
+4; hybrid: Ulysses over 2 x sequence over 2), configs with 2 query heads and 1 kv head. The gradient is one process's
+within the families' 1e-4 (relative to the largest gradient entry); the control (state pass and halo skipped) misses by
+0.05 at least.
 
 In the cp8 stage: ``COMPILEPACK_CP8=1 python -m pytest -q -p no:cacheprovider -m cp8 tests/distributed``.
 """

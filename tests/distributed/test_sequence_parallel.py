@@ -160,7 +160,7 @@ def test_compiled_state_passes_and_halos_are_one_graph(world2):
 
 def test_communication_follows_the_documented_formulas(results):
     """Elements a rank sends in one forward, counted at every collective (all-to-all, shift, all-gather), equal
-    compilepack.distributed.cost's formulas (docs/context-parallel.md), as do the collectives it waits on."""
+    compilepack.distributed.cost's formulas (docs/context-parallel-evidence.md), as do the collectives it waits on."""
     runs = [key for key in results if key.startswith("communication:")]
     assert runs
     for key in runs:

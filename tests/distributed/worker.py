@@ -360,7 +360,7 @@ def fsdp_equality(family_name: str) -> dict:
 
 
 def _elements_per_token(config, kind: str, world: int) -> int:
-    """docs/context-parallel.md's ``e``: elements per token a mixer exchanges (inputs and output), forward."""
+    """docs/context-parallel-evidence.md's ``e``: elements per token a mixer exchanges (inputs and output), forward."""
     if kind == "attention":
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return 2 * config.num_attention_heads * head_dim + 2 * max(config.num_key_value_heads, world) * head_dim
@@ -415,7 +415,8 @@ def communication(family_name: str) -> dict:
 
 
 def report(families: tuple[str, ...] = ("llama", "qwen3_next", "qwen3_5", "bamba")) -> None:
-    """Print docs/context-parallel.md's equality table (worst of the two layouts): ``python tests/distributed/worker.py``."""
+    """Print docs/context-parallel-evidence.md's equality table (worst of the two layouts):
+    ``python tests/distributed/worker.py``."""
     import tempfile
 
     print("| family | W | logits | loss rel. | gradients rel. | control: no all-to-all | control: no gradient sum |")
