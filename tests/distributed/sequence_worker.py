@@ -26,6 +26,7 @@ from tests.distributed.worker import (
     _slice,
     _summed_grads,
     compiled_against_eager,
+    one_process_step,
 )
 
 ROW_LENGTHS = [70, 1, 23, 5, 30]  # 129 tokens: padded for every W; the 70-token document spans 3 ranks at W >= 4
@@ -125,9 +126,8 @@ def family_equality(family_name: str, mode: str, heads: str = "tiny") -> dict:
     parallel = compilepack.patch(copy.deepcopy(base), context_parallel=cp)
     figures = {}
     for name, batch in _batches(base.config.vocab_size).items():
-        reference.zero_grad(), parallel.zero_grad()
-        expected = reference(**batch)
-        expected.loss.backward()
+        parallel.zero_grad()
+        expected = one_process_step(reference, batch)
         sharded = shard_batch(batch, cp)
         out = parallel(**sharded)
         out.loss.backward()
