@@ -5,18 +5,25 @@
 #
 #   tests/check_newest_torch.sh                                  # venv .torch-venv, tests/patches/test_families.py
 #   tests/check_newest_torch.sh .ci-torch-venv tests/patches/test_families.py -n 2   # CI: two workers
+#   STEP=install tests/check_newest_torch.sh .ci-torch-venv; STEP=test tests/check_newest_torch.sh .ci-torch-venv ...
+#                                  # CI: the install (a download) runs while other stages test, the tests after them
 set -euo pipefail
+step="${STEP:-both}"
 venv="${1:-.torch-venv}"
 shift $(( $# >= 1 ? 1 : 0 ))
 cd "$(dirname "$0")/.."
 
-python3 -m venv "$venv"
+if [[ "$step" != test ]]; then
+    python3 -m venv "$venv"
+    . "$venv/bin/activate"
+    python -m pip install --quiet --upgrade pip
+    # A machine may cap torch with a pip constraints file (to keep a local wheel): lifted for these installs. On a
+    # CPU machine this is the CUDA build from the index (~3 GB with its CUDA libraries); it runs the CPU code paths.
+    PIP_CONSTRAINT=/dev/null python -m pip install --quiet --upgrade torch
+    PIP_CONSTRAINT=/dev/null python -m pip install --quiet -e . "pytest>=8" "hypothesis>=6.100" "pytest-timeout>=2.3" \
+        "pytest-xdist>=3.5"
+fi
+[[ "$step" == install ]] && exit 0
 . "$venv/bin/activate"
-python -m pip install --quiet --upgrade pip
-# A machine may cap torch with a pip constraints file (to keep a local wheel): lifted for these installs. On a
-# CPU machine this is the CUDA build from the index (~3 GB with its CUDA libraries); it runs the CPU code paths.
-PIP_CONSTRAINT=/dev/null python -m pip install --quiet --upgrade torch
-PIP_CONSTRAINT=/dev/null python -m pip install --quiet -e . "pytest>=8" "hypothesis>=6.100" "pytest-timeout>=2.3" \
-    "pytest-xdist>=3.5"
 python -c "import torch, transformers; print('torch', torch.__version__, '| transformers', transformers.__version__)"
 python -m pytest -q -p no:cacheprovider "${@:-tests/patches/test_families.py}"

@@ -69,16 +69,32 @@ def admitted_bounds(package: str, wanted: dict[str, Requirement]) -> tuple[Versi
     return inside[0], inside[-1]
 
 
-def run_in_venv(pins: dict[str, str], tests: list[str], venv: Path, pytest_args: list[str]) -> tuple[str, str]:
+def run_in_venv(pins: dict[str, str], tests: list[str], venv: Path, pytest_args: list[str],
+                step: str = "both") -> tuple[str, str]:
     """A fresh venv with ``pins`` (package -> version) and every other requirement as pyproject states it; the
     project without its own dependency resolution (so a release pyproject does not admit can be tried); then the
-    tests. Returns (passed / failed counts, first failure)."""
+    tests. Returns (passed / failed counts, first failure). ``step``: ``"install"`` stops after the venv is built,
+    ``"test"`` runs the tests in a venv an earlier ``"install"`` built (CI installs while other stages test)."""
+    env = {**os.environ, "PIP_NO_CACHE_DIR": "1"}
+    if step != "test":
+        installed = _install(pins, venv, env)
+        if installed is not None or step == "install":
+            return installed or ("installed", "")
+    python = str(venv / "bin" / "python")
+    # --show-capture=no: a failure's captured logs (dynamo's DEBUG lines) would bury its assertion
+    done = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", "--tb=short",
+                           "--show-capture=no", *tests, *pytest_args], cwd=ROOT, env=env, capture_output=True, text=True)
+    print(done.stdout[-6000:], file=sys.stderr)
+    return summarize(done.stdout)
+
+
+def _install(pins: dict[str, str], venv: Path, env: dict) -> tuple[str, str] | None:
+    """Build ``venv`` with the pins; None when it is ready, else the row saying why not."""
     wanted = requirements()
     specs = [f"{name}=={version}" for name, version in pins.items()]
     specs += [str(req) for name, req in wanted.items() if name not in pins]
     if "torch" not in pins:
         specs = [s for s in specs if Requirement(s).name != "torch"] + [f"torch=={TESTED_TORCH}"]
-    env = {**os.environ, "PIP_NO_CACHE_DIR": "1"}
     if pins.get("torch", TESTED_TORCH) != TESTED_TORCH:
         env["PIP_CONSTRAINT"] = "/dev/null"  # a machine may cap torch to its local wheel: lifted for this venv
     shutil.rmtree(venv, ignore_errors=True)
@@ -89,11 +105,7 @@ def run_in_venv(pins: dict[str, str], tests: list[str], venv: Path, pytest_args:
     if install.returncode != 0:
         return "not installed", _last_line(install.stderr)
     subprocess.run(pip + ["--no-deps", "-e", str(ROOT)], env=env, check=True)
-    # --show-capture=no: a failure's captured logs (dynamo's DEBUG lines) would bury its assertion
-    done = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", "--tb=short",
-                           "--show-capture=no", *tests, *pytest_args], cwd=ROOT, env=env, capture_output=True, text=True)
-    print(done.stdout[-6000:], file=sys.stderr)
-    return summarize(done.stdout)
+    return None
 
 
 def summarize(output: str) -> tuple[str, str]:
@@ -127,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--venv", default=".releases-venv", help="scratch venv path (removed after each run)")
     parser.add_argument("--keep", action="store_true", help="keep the venv")
     parser.add_argument("--pytest-args", default="", help='extra pytest arguments, e.g. "-n 2 -x"')
+    parser.add_argument("--step", choices=("both", "install", "test"), default="both",
+                        help="install the venv only (kept), or test in a venv an earlier --step install built")
     args = parser.parse_args(argv)
     wanted = requirements()
 
@@ -149,7 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     rows, failed_admitted = [], False
     for pins, tests in runs:
         venv = ROOT / args.venv
-        result, first = run_in_venv(pins, tests, venv, shlex.split(args.pytest_args))
+        result, first = run_in_venv(pins, tests, venv, shlex.split(args.pytest_args), args.step)
+        if args.step == "install":
+            print(f"{', '.join(f'{p} {v}' for p, v in pins.items())}: {result} {first}".strip(), file=sys.stderr)
+            if result != "installed":
+                return 1
+            continue
         admitted = all(wanted[p].specifier.contains(v) for p, v in pins.items())
         release = ", ".join(f"{p} {v}" for p, v in pins.items())
         rows.append((release, "yes" if admitted else "no", result, first))

@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from tests.distributed import worker
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+pytestmark = [pytest.mark.multiprocess,
+              pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")]
 
 FAMILIES = ["llama", "qwen3_next", "qwen3_5", "bamba"]
 TOLERANCE = {"llama": 1e-5, "qwen3_next": 1e-4, "qwen3_5": 1e-4, "bamba": 1e-4}

@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from tests.distributed import worker
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+pytestmark = [pytest.mark.multiprocess,
+              pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")]
 
 CP8 = pytest.mark.skipif(os.environ.get("COMPILEPACK_CP8") != "1",
                          reason="the cp8 stage: COMPILEPACK_CP8=1 python -m pytest -m cp8 tests/distributed")

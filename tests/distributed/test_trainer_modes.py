@@ -30,7 +30,7 @@ pytestmark = [
     pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo"),
     pytest.mark.skipif(os.environ.get("COMPILEPACK_CP8") != "1",
                        reason="the cp8 stage: COMPILEPACK_CP8=1 python -m pytest -m cp8 tests/distributed"),
-    pytest.mark.cp8, pytest.mark.slow,
+    pytest.mark.cp8, pytest.mark.slow, pytest.mark.multiprocess,
 ]
 
 RUNS = ["run:sft:qwen3_5:sequence", "run:hf:bamba:sequence", "run:sft:bamba:hybrid", "run:hf:qwen3_5:hybrid"]

@@ -90,6 +90,7 @@ def _split(case: str) -> tuple[str, str]:
     return kind, family_name
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("case", [c for c in WORLD2 if c.startswith(("run:", "resume:", "compiled:"))])
 def test_two_ranks_one_group_train_as_one_process(world2, case, tmp_path_factory):
     """Losses of every step and final weights: SFTTrainer (its padding-free collator, its fused LM head) and HF
@@ -100,6 +101,7 @@ def test_two_ranks_one_group_train_as_one_process(world2, case, tmp_path_factory
     assert weight_error(got["weights"], want["weights"]) <= WEIGHT_TOLERANCE
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("case", [c for c in WORLD4 if c.startswith("run:")])
 def test_two_replicas_of_two_rank_groups_train_as_one_process(world4, case, tmp_path_factory):
     """dp = 2 x cp = 2: each replica's group draws its own batches; DDP over all four ranks sums the groups'
@@ -110,12 +112,14 @@ def test_two_replicas_of_two_rank_groups_train_as_one_process(world4, case, tmp_
     assert weight_error(got["weights"], want["weights"]) <= WEIGHT_TOLERANCE
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("case", ["control-no-grad-sum:sft:llama", "control-no-shard:sft:llama"])
 def test_controls_without_the_gradient_sum_or_the_sharding_miss_by_far(world2, case, tmp_path_factory):
     want = reference(*_split(case), 1, str(tmp_path_factory.getbasetemp()))
     assert weight_error(world2[case]["weights"], want["weights"]) >= CONTROL_MISS
 
 
+@pytest.mark.multiprocess
 def test_a_compiled_trainer_step_is_one_graph_per_rank_without_recompiles(world2):
     """torch_compile=True: the patched model compiled with fullgraph and dynamic inside DDP, one graph for the
     run's four steps of varied shard lengths (dynamo's unique graphs), no break."""
@@ -125,6 +129,7 @@ def test_a_compiled_trainer_step_is_one_graph_per_rank_without_recompiles(world2
 
 @pytest.mark.parametrize("world, case, dp", [("world2", "evaluate:sft:llama", 1), ("world2", "evaluate:hf:qwen3_5", 1),
                                              ("world4", "evaluate:hf:bamba", 2)])
+@pytest.mark.multiprocess
 def test_evaluation_loss_is_one_process_loss(world, case, dp, request, tmp_path_factory):
     got = request.getfixturevalue(world)[case]["eval_loss"]
     want = reference_eval(*_split(case), dp, str(tmp_path_factory.getbasetemp()))
@@ -148,6 +153,7 @@ class _UnionOfRanks:
         return len(self.sampler.plan(self.epoch))
 
 
+@pytest.mark.multiprocess
 def test_documents_dealt_by_cost_from_the_trainer_train_as_one_process(world4, tmp_path_factory):
     """context_parallel(SFTTrainer, size=2, balance=...): a BalancedBatchSampler over the 2 data-parallel ranks
     (its cost model from the model: Qwen3.5's one attention layer in three), the ranks of each group sharing the
@@ -176,6 +182,7 @@ def test_documents_dealt_by_cost_from_the_trainer_train_as_one_process(world4, t
     assert weight_error(got["weights"], worker.weights(trainer.model)) <= WEIGHT_TOLERANCE
 
 
+@pytest.mark.multiprocess
 def test_a_balanced_run_resumed_from_its_checkpoint_continues_identically(world2):
     got = world2["resume-balanced:sft:llama"]
     assert got["losses"] == got["uninterrupted"]

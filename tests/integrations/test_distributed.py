@@ -26,7 +26,8 @@ CASES = [("ddp", "llama"), ("ddp", "qwen3_5"), ("fsdp2", "llama"), ("fsdp2", "qw
 TOLERANCE = 1e-5
 REPO = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+pytestmark = [pytest.mark.multiprocess,
+              pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")]
 
 
 @pytest.fixture(scope="module")
