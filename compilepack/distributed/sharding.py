@@ -43,7 +43,7 @@ from ..errors import ContextParallelError
 from ..guards import refuse
 from ..layout import Boundaries
 from ..validation import IGNORE_INDEX, validate
-from .context_parallel import ContextParallel
+from .group import ContextParallel
 
 
 def shard_batch(batch: dict, group_or_mesh, *, pad_token_id: int = 0, verify: bool = True) -> dict:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from .. import backends as _backends
-from ..distributed.context_parallel import ContextParallel, check_model
+from ..distributed.group import ContextParallel, check_model
 from ..errors import IncompatibleTransformersError, PatchConflictError
 from .family import family_named, family_of
 

@@ -31,11 +31,11 @@ from ..ops import (
     selective_scan_varlen,
     varlen_attention,
 )
-from ..ops.attention.context_parallel import varlen_attention_context_parallel
-from ..ops.causal_conv1d.context_parallel import causal_conv1d_context_parallel
-from ..ops.gated_delta_rule.context_parallel import gated_delta_rule_context_parallel
-from ..ops.kimi_delta_attention.context_parallel import kimi_delta_attention_context_parallel
-from ..ops.mamba2.context_parallel import mamba2_chunk_scan_context_parallel
+from ..ops.attention.sharded import varlen_attention_sharded
+from ..ops.causal_conv1d.sharded import causal_conv1d_sharded
+from ..ops.gated_delta_rule.sharded import gated_delta_rule_sharded
+from ..ops.kimi_delta_attention.sharded import kimi_delta_attention_sharded
+from ..ops.mamba2.sharded import mamba2_chunk_scan_sharded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +94,7 @@ def packed_attention(
     Only a packed batch (one that carries ``cu_seq_lens_q``: a static fact) runs compilepack's op; every other call
     (padded, unpadded, cached decoding) is the stock function's, with its dropout and attention weights. Under
     context parallelism the op runs head-parallel over the whole rows, over tokens against the gathered keys, or
-    both (``ops/attention/context_parallel.py``)."""
+    both (``ops/attention/sharded.py``)."""
     cu_seqlens = kwargs.get(CU_SEQLENS_Q)
     if cu_seqlens is None:
         return stock_attention(module, query, key, value, attention_mask, **kwargs)
@@ -108,7 +108,7 @@ def packed_attention(
     )
     if context_parallel is not None:  # head-parallel over the whole rows, or over tokens (the group's mode)
         check_batch(kwargs, context_parallel, type(module).__name__)
-        out = varlen_attention_context_parallel(
+        out = varlen_attention_sharded(
             query, key, value, cu_seqlens, max_seqlen, global_length=kwargs[SEQ_IDX].shape[-1], cp=context_parallel,
             where=type(module).__name__, **options,
         )
@@ -194,7 +194,7 @@ def _make_causal_conv1d(stock: Callable, backends: Backends) -> Callable:
         if cp is None:
             return causal_conv1d_varlen(hidden_states, weight, bias, seq_idx, activation, backend=backends.conv)
         check_batch(kwargs, cp, "causal conv1d")  # channel-parallel over the whole rows, or over tokens (a halo)
-        return causal_conv1d_context_parallel(hidden_states, weight, bias, seq_idx, activation, backend=backends.conv,
+        return causal_conv1d_sharded(hidden_states, weight, bias, seq_idx, activation, backend=backends.conv,
                                               cp=cp)
 
     return causal_conv1d_fn
@@ -252,13 +252,13 @@ def _delta_rule(
 
 # Gated DeltaNet's delta rule; its layers pass the boundaries as ``cu_seqlens``.
 GATED_DELTA_RULE = _delta_rule(
-    "torch_chunk_gated_delta_rule", gated_delta_rule_varlen, gated_delta_rule_context_parallel, "gated delta rule",
+    "torch_chunk_gated_delta_rule", gated_delta_rule_varlen, gated_delta_rule_sharded, "gated delta rule",
     CU_SEQLENS, stock_takes_kwargs=False, kernels="delta rule: fla chunk_gated_delta_rule(cu_seqlens)",
 )
 # The KDA kernel of Kimi Linear, given the layer's kwargs; CUDA backend: the gated-delta-rule kind's choice (fla
 # serves both).
 KIMI_DELTA_ATTENTION = _delta_rule(
-    "chunk_kimi_delta_attention", kimi_delta_attention_varlen, kimi_delta_attention_context_parallel,
+    "chunk_kimi_delta_attention", kimi_delta_attention_varlen, kimi_delta_attention_sharded,
     "Kimi delta attention", CU_SEQLENS_Q, stock_takes_kwargs=True, kernels="KDA: fla chunk_kda(cu_seqlens)",
 )
 
@@ -284,7 +284,7 @@ def _make_mamba2_chunk_scan(stock: Callable, backends: Backends) -> Callable:
         scan = mamba2_chunk_scan_varlen
         if cp is not None:  # head-parallel over the whole rows, or over tokens (a state pass)
             check_batch(kwargs, cp, "Mamba2 scan")
-            scan = functools.partial(mamba2_chunk_scan_context_parallel, cp=cp)
+            scan = functools.partial(mamba2_chunk_scan_sharded, cp=cp)
         return scan(
             hidden_states, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
             dt_limit=tuple(dt_limit), seq_idx=seq_idx, backend=backends.ssd,

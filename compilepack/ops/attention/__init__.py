@@ -18,7 +18,7 @@ The forward also returns the log-sum-exp ``[H, T]`` (saved for the explicit back
 
 ``compilepack::varlen_attention_kv``: each document's queries attend its keys from separate boundaries
 (``cu_seqlens_q``, ``cu_seqlens_k``, flash-attn's varlen convention, causal aligned at the bottom right): what context
-parallelism over tokens needs (a rank's queries against the gathered keys, ``context_parallel.py``); on CUDA the same
+parallelism over tokens needs (a rank's queries against the gathered keys, ``sharded.py``); on CUDA the same
 kernels as ``varlen_attention`` with separate q / k boundaries (``PATH_KV`` in ``flash_attn.py``, ``torch_varlen.py``).
 """
 

@@ -12,7 +12,7 @@ sequence mixers see the whole row:
   sequence across the S = W / U groups; W = U x S. Rank ``s * U + u`` holds slice ``s * U + u`` of every row, so the
   batch is sharded exactly as in the other modes.
 
-Each op's wrappers live beside the op (``compilepack/ops/<op>/context_parallel.py``) and use the *global* boundaries
+Each op's wrappers live beside the op (``compilepack/ops/<op>/sharded.py``) and use the *global* boundaries
 (``cu_seqlens`` over the whole rows, ``seq_idx [R, T]``): host data every rank already has, so nothing about the
 boundaries is communicated.
 
