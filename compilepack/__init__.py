@@ -6,7 +6,7 @@
 """
 
 from . import distributed, lm_head, ops
-from .backends import Backends
+from .ops.backends import Backends
 from .layout import Boundaries
 from .collator import PackedCollator
 from .errors import (

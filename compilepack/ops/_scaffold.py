@@ -44,7 +44,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from .. import backends
+from . import backends
 from ..guards import refuse_steps_back
 
 PLACEHOLDER_SHAPE = (0,)  # what the backward op returns for an optional input that was None

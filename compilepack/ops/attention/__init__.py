@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ... import backends
+from .. import backends
 from .._scaffold import define_op
 from . import flash_attn, reference, torch_varlen
 from .naive import attention_naive

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ... import backends
+from .. import backends
 from .._delta_rule import define_delta_rule_op, define_delta_rule_state_op, run_delta_rule, run_delta_rule_state
 from . import fla, reference
 from .naive import gated_delta_rule_naive

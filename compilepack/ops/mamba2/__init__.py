@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ... import backends
+from .. import backends
 from .._scaffold import define_op
 from . import mamba_ssm, reference
 from .naive import mamba2_chunk_scan_naive

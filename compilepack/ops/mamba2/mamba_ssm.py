@@ -28,7 +28,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ... import backends
+from .. import backends
 from .._scaffold import Path
 from . import reference
 
