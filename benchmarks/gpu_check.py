@@ -5,7 +5,7 @@
 
 (also ``python -m benchmarks gpu-check``; run as a script it finds the checkout's packages itself.)
 
-On CUDA it checks, with whatever kernel libraries are installed (``compilepack.backends``), in this order, each
+On CUDA it checks, with whatever kernel libraries are installed (``compilepack.ops.backends``), in this order, each
 section only while the time budget (``--budget-s``, 480 s: a section started may run on) lasts:
 
 1. ops: every op with its CUDA backend against the pure-torch reference, forward and input gradients, by the

@@ -19,8 +19,8 @@
 #     --no-deps --no-build-isolation --target /tmp/site .whl/causal_conv1d-1.6.2.post1.tar.gz
 # fla is pure Python + Triton and is carried (0.6.0, compilepack's floor); mamba-ssm is built here without its CUDA
 # extensions (a pure-Python wheel): its Triton SSD kernels are what the Mamba2 op uses, reached past its package
-# __init__ (compilepack.backends.load), so the Mamba2 scan runs mamba-ssm's kernels on the device. The versions are
-# read from these packages' metadata (compilepack.backends.FLOORS): --target keeps it beside them.
+# __init__ (compilepack.ops.backends.load), so the Mamba2 scan runs mamba-ssm's kernels on the device. The versions are
+# read from these packages' metadata (compilepack.ops.backends.FLOORS): --target keeps it beside them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl

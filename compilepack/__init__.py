@@ -8,7 +8,7 @@
 import warnings
 
 from . import distributed, integrations, ops  # integrations: registers its extensions (TRL, PEFT) with patch()
-from .backends import Backends
+from .ops.backends import Backends
 from .batch import Boundaries, PackedCollator, checked, to_device, validate
 from .errors import (
     BoundaryError,

@@ -28,5 +28,5 @@ class ContextParallelError(CompilepackError, ValueError):
 
 
 class KernelVersionError(CompilepackError, ValueError):
-    """A kernel library installed below its floor (``compilepack.backends.FLOORS``) would be used: upgrade it, or
+    """A kernel library installed below its floor (``compilepack.ops.backends.FLOORS``) would be used: upgrade it, or
     choose another backend."""

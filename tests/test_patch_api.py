@@ -15,7 +15,7 @@ from compilepack import (
     PatchConflictError,
     UnsupportedModelError,
 )
-from compilepack.backends import Backends
+from compilepack.ops.backends import Backends
 from compilepack.patching import ATTENTION, Family, family_named
 from tests.families import tiny_config
 from tests.models import hf_batch, logits_alone, max_diff_packed_vs_alone, random_docs

@@ -59,7 +59,7 @@ def test_the_library_never_imports_the_benchmark():
 
 # The library's layers, from the ground up: a module imports only from its own layer or those below it (the
 # package's face, compilepack/__init__.py, sits above the library; the command line above the face).
-LAYERS = ("errors", "batch", "backends", "distributed", "ops", "patching", "patches", "integrations", "testing",
+LAYERS = ("errors", "batch", "distributed", "ops", "patching", "patches", "integrations", "testing",
           "__init__", "cli", "__main__")
 # the registry imports the family files it discovers (a plugin folder, loaded on first use), the one import upward
 DISCOVERS = {("compilepack/patching/family.py", "compilepack.patches")}
@@ -112,7 +112,7 @@ def test_the_package_top_level_holds_only_its_face():
     """What the package holds loose at its top level: the face, ``python -m``, the errors (every layer raises them)
     and the modules not yet in a subpackage. Everything else lives in a subpackage named for its layer."""
     loose = sorted(p.name for p in (ROOT / "compilepack").glob("*.py"))
-    assert loose == ["__init__.py", "__main__.py", "backends.py", "errors.py"]
+    assert loose == ["__init__.py", "__main__.py", "errors.py"]
 
 
 def test_every_patch_module_registers_a_family():

@@ -13,7 +13,7 @@ import transformers
 from transformers import DataCollatorWithFlattening
 
 import compilepack
-from compilepack import backends
+from compilepack.ops import backends
 from compilepack.batch.derived import seq_idx_from_cu_seqlens
 from compilepack.ops import (
     causal_conv1d_varlen,
@@ -152,7 +152,7 @@ def op_cases(device):
 
     return {"varlen_attention": (attention, "attention"), "causal_conv1d_varlen": (conv, "conv"),
             "gated_delta_rule_varlen": (delta_rule(False), "gated_delta"),
-            "kimi_delta_attention_varlen": (delta_rule(True), "gated_delta"),
+            "kimi_delta_attention_varlen": (delta_rule(True), "delta_rule"),
             "mamba2_chunk_scan_varlen": (ssd, "ssd")}
 
 

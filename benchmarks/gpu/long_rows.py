@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from compilepack import backends
+from compilepack.ops import backends
 from compilepack.ops import (
     causal_conv1d_varlen,
     gated_delta_rule_varlen,

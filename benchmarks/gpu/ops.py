@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from compilepack import backends
+from compilepack.ops import backends
 from compilepack.ops import (
     varlen_attention,
 )

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from compilepack import backends
+from compilepack.ops import backends
 from compilepack.distributed import scan
 from compilepack.ops.attention import varlen_attention_kv
 from compilepack.ops.gated_delta_rule import gated_delta_rule_varlen_state

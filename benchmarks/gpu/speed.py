@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import compilepack
-from compilepack import backends
+from compilepack.ops import backends
 from compilepack.patching import family_named
 
 from ..configs import bench_config

@@ -22,7 +22,7 @@ def setup(
     baseline); ``packed()`` runs the op on the same tokens, on causal-conv1d when on CUDA and installed."""
     from transformers.models.qwen3_next.modeling_qwen3_next import causal_conv1d_fn
 
-    from compilepack import backends
+    from compilepack.ops import backends
     from compilepack.ops.causal_conv1d import causal_conv1d_varlen
 
     generator = torch.Generator().manual_seed(seed)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .context_parallel import ContextParallel
+from .group import ContextParallel
 
 
 def all_reduce_gradients(model: torch.nn.Module, group_or_mesh) -> None:

@@ -44,7 +44,7 @@ from ..batch.rules import refuse
 from ..batch.layout import Boundaries
 from ..batch.keys import IGNORE_INDEX
 from ..batch.validation import validate
-from .context_parallel import ContextParallel
+from .group import ContextParallel
 
 
 def shard_batch(batch: dict, group_or_mesh, *, pad_token_id: int = 0, verify: bool = True) -> dict:

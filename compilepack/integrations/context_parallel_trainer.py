@@ -56,7 +56,7 @@ import torch.distributed as dist
 
 from ..batch.keys import INPUT_IDS, LABELS, NUM_ITEMS_IN_BATCH, SHIFT_LABELS
 from ..distributed import BalancedBatchSampler, ContextParallel, shard_batch
-from ..distributed.context_parallel import HYBRID, SEQUENCE, ULYSSES
+from ..distributed.group import HYBRID, SEQUENCE, ULYSSES
 from ..distributed.scan import SCHEDULES
 from ..errors import ContextParallelError
 from ..patching import ATTENTION, family_of, patch

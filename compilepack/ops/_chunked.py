@@ -1,5 +1,5 @@
-"""What the two chunked delta-rule ops (gated delta rule, Kimi delta attention) share: the op declaration and
-input checks, and for their references the chunk layout, the per-chunk document masks and the l2norm helpers."""
+"""What the chunked references share: the chunk layout, the per-chunk document masks, the l2norm helpers (the two
+delta rules'), and the compute dtype (every op's). The delta rules' op declarations are in ``_delta_rule/``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..batch.derived import seq_idx_from_cu_seqlens
-from ._scaffold import Op, Path, define_op
 
 L2NORM_EPS = 1e-6  # transformers' l2norm and fla's l2norm_fwd use the same eps
 
@@ -144,56 +143,3 @@ def compute_dtype(x: Tensor) -> torch.dtype:
     """What the references compute in: float32 at least (as transformers and the kernels accumulate); float64
     inputs stay float64, so fp64 gradchecks test the exact formulas."""
     return torch.promote_types(x.dtype, torch.float32)
-
-
-def check_delta_rule_inputs(q, k, v, g, beta, cu_seqlens, per_channel_decay: bool) -> None:
-    """Shape and dtype checks of a delta-rule op's inputs (``g`` is ``[B, T, HV]``, or ``[B, T, HV, K]`` with a
-    per-channel decay). Nothing here reads tensor data, so it traces without guards on values."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.dim() != 4:
-            raise ValueError(f"{name} must be 4-D [B, T, heads, head_dim], got shape {tuple(x.shape)}.")
-    if k.shape != q.shape:
-        raise ValueError(f"k must have q's shape {tuple(q.shape)} [B, T, H, K], got {tuple(k.shape)}.")
-    if v.shape[:2] != q.shape[:2]:
-        raise ValueError(f"v must be [B, T, HV, V] with q's B, T = {tuple(q.shape[:2])}, got {tuple(v.shape)}.")
-    if v.shape[2] % q.shape[2] != 0:
-        raise ValueError(f"v's head count HV={v.shape[2]} must be a multiple of q's H={q.shape[2]}.")
-    g_shape, g_text = (v.shape[:3], "[B, T, HV]")
-    if per_channel_decay:
-        g_shape, g_text = (*v.shape[:3], q.shape[3]), "[B, T, HV, K]"
-    if g.shape != g_shape:
-        raise ValueError(f"g must be {g_text} = {tuple(g_shape)}, got {tuple(g.shape)}.")
-    if beta.shape != v.shape[:3]:
-        raise ValueError(f"beta must be [B, T, HV] = {tuple(v.shape[:3])}, got {tuple(beta.shape)}.")
-    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        if not x.is_floating_point():
-            raise ValueError(f"{name} must be a float tensor, got {x.dtype}.")
-    if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"cu_seqlens must be a 1-D int32 tensor [N+1], got {cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}."
-        )
-
-
-def _signature(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor, cu_seqlens_cpu: Tensor | None,
-    use_qk_l2norm: bool, scale: float, backend: str,
-): ...
-
-
-def define_delta_rule_op(name: str, reference: Path, fla: Path, fla_applies=None) -> Op:
-    """The custom op of a delta rule: inputs ``q, k, v, g, beta`` (differentiable), the boundaries, the l2norm
-    flag and the scale; the reference path, and fla's kernels on CUDA (where ``fla_applies``, if given)."""
-    return define_op(
-        name, signature=_signature, differentiable=("q", "k", "v", "g", "beta"), reference=reference,
-        kernels={"fla": fla}, kernel_applies=fla_applies, boundaries=("cu_seqlens", "cu_seqlens_cpu"),
-    )
-
-
-def run_delta_rule(
-    op: Op, q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale, cu_seqlens_cpu, backend, per_channel_decay: bool
-) -> Tensor:
-    """A public delta-rule function's body: check the inputs, default the scale to ``K ** -0.5``, run ``op``."""
-    check_delta_rule_inputs(q, k, v, g, beta, cu_seqlens, per_channel_decay)
-    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-    o, _ = op(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, bool(use_qk_l2norm), scale, backend)
-    return o

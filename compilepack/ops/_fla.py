@@ -56,40 +56,27 @@ def document_states(row_states: Tensor, documents: Tensor, count: int) -> Tensor
     return per_document.index_copy(0, documents.long(), row_states)
 
 
-def state_out(o: Tensor, final_per_document: Tensor, last: Tensor, dtype: torch.dtype) -> Tensor:
-    """The state op's one flat output: ``o`` then each row's final state (its last document's), in ``dtype``."""
-    final = final_per_document.index_select(0, last.long())
-    return torch.cat([o.reshape(-1).to(dtype), final.reshape(-1).to(dtype)])
-
-
-def split_state_grad(grad_out: Tensor, v: Tensor, key_dim: int) -> tuple[Tensor, Tensor]:
-    """The state op's flat gradient -> ``do [B, T, HV, V]`` and that of the final states ``[B, HV, K, V]``."""
-    rows, length, value_heads, value_dim = v.shape
-    do, d_final = grad_out.split([rows * length * value_heads * value_dim, rows * value_heads * key_dim * value_dim])
-    return do.view(v.shape), d_final.view(rows, value_heads, key_dim, value_dim)
-
-
 def state_path(forward, fake, backward) -> Path:
-    """A delta rule's ``*_varlen_state`` path on fla from its stateless glue: ``forward(*inputs, initial_state)``
-    -> ``(o, final per document, saved)``; ``fake(*inputs)`` -> ``(o, saved)``; ``backward(do, saved, q, k, v,
+    """A delta rule's ``*_varlen_state`` path on fla from its stateless glue, returning ``(o, final_state, saved)``:
+    ``forward(*inputs, initial_state)`` -> ``(o, final per document, saved)``; ``fake(*inputs)`` -> ``(o, saved)``; ``backward(do, saved, q, k, v,
     beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale, initial_state, d_final)`` -> ``(dq, dk, dv, dg, dbeta,
     d_initial)``, states one per document. fla's own backward gives the initial states' gradient."""
 
     def state_forward(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, initial_state, use_qk_l2norm, scale):
         first, last = row_documents(cu_seqlens, *q.shape[:2])
         h0 = document_states(initial_state.float(), first, cu_seqlens.shape[0] - 1)  # fla's states are float32
-        o, final, saved = forward(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale, h0)
-        return state_out(o, final, last, compute_dtype(q)), saved
+        o, final_per_document, saved = forward(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale, h0)
+        final = final_per_document.index_select(0, last.long())  # each row's last document's
+        return o, final.to(compute_dtype(q)), saved
 
     def state_fake(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, initial_state, use_qk_l2norm, scale):
         o, saved = fake(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale)
-        return q.new_empty(o.numel() + initial_state.numel(), dtype=compute_dtype(q)), saved
+        return o, q.new_empty(initial_state.shape, dtype=compute_dtype(q)), saved
 
-    def state_backward(grad_out, out, saved, needs_grad, q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu,
+    def state_backward(do, d_final, out, saved, needs_grad, q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu,
                        initial_state, use_qk_l2norm, scale):
         first, last = row_documents(cu_seqlens, *q.shape[:2])
         documents = cu_seqlens.shape[0] - 1
-        do, d_final = split_state_grad(grad_out, v, q.shape[3])
         h0 = document_states(initial_state.float(), first, documents)
         dht = document_states(d_final.float(), last, documents)
         *grads, d_h0 = backward(do.to(q.dtype), saved, q, k, v, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm,

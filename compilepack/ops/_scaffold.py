@@ -1,8 +1,8 @@
 """One declaration -> a ``compilepack::`` custom op with its fake, its backward op and its autograd.
 
-Every compilepack op has the same shape: a forward that returns the output and the tensors its backward needs
-(``saved``), a backward that returns one gradient per differentiable input, a fake for the compiler, and several
-ways to compute both (the pure-torch reference, and kernel libraries on CUDA). An op module declares only what is
+Every compilepack op has the same shape: a forward that returns the output (or several, ``outputs=``) and the
+tensors its backward needs (``saved``), a backward that returns one gradient per differentiable input, a fake for
+the compiler, and several ways to compute both (the pure-torch reference, and kernel libraries on CUDA). An op module declares only what is
 particular to it::
 
     op = define_op(
@@ -16,10 +16,12 @@ particular to it::
 
 and this module registers, from that:
 
-- the forward op ``name``: ``(*inputs) -> (out, saved: Tensor[])``, dispatching to one path;
+- the forward op ``name``: ``(*inputs) -> (out, saved: Tensor[])``, dispatching to one path; an op declaring
+  several ``outputs`` (``("out", "final_state")``) returns ``(out, final_state, saved)``;
 - the backward op ``name + "_backward"``: ``(grad_out, out?, saved, needs_grad: bool[], *inputs) -> Tensor[]``
   (one gradient per differentiable input; an empty placeholder for an absent optional input), so the compiler
-  sees the backward as one opaque call too;
+  sees the backward as one opaque call too; with several outputs it takes one gradient per output first
+  (``grad_out, grad_final_state, ...``), zeros for an output that does not reach the loss;
 - the fakes of both (the forward's from the chosen path, the backward's from the inputs' layouts);
 - the autograd formula (``register_autograd``) that saves the inputs, ``saved`` and optionally ``out``.
 
@@ -42,7 +44,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from .. import backends
+from . import backends
 from ..batch.rules import refuse_steps_back
 
 PLACEHOLDER_SHAPE = (0,)  # what the backward op returns for an optional input that was None
@@ -52,15 +54,16 @@ PLACEHOLDER_SHAPE = (0,)  # what the backward op returns for an optional input t
 class Path:
     """One way to compute an op.
 
-    ``forward(*inputs)`` returns ``(out, saved)``; ``backward(grad_out, out, saved, needs_grad, *inputs)`` returns
-    one gradient per differentiable input (None where not needed or absent); ``fake(*inputs)`` returns empty
-    tensors with the shapes, dtypes and strides ``forward`` produces. ``inputs`` are the op's inputs without the
-    trailing ``backend`` string.
+    ``forward(*inputs)`` returns ``(out, saved)`` (``(*outputs, saved)`` for an op with several outputs);
+    ``backward(grad_out, out, saved, needs_grad, *inputs)`` (``(*grads, out, saved, ...)``: one gradient per
+    output) returns one gradient per differentiable input (None where not needed or absent); ``fake(*inputs)``
+    returns empty tensors with the shapes, dtypes and strides ``forward`` produces. ``inputs`` are the op's inputs
+    without the trailing ``backend`` string.
     """
 
-    forward: Callable[..., tuple[Tensor, list[Tensor]]]
+    forward: Callable[..., tuple[Tensor | list[Tensor], ...]]
     backward: Callable[..., Sequence[Tensor | None]]
-    fake: Callable[..., tuple[Tensor, list[Tensor]]]
+    fake: Callable[..., tuple[Tensor | list[Tensor], ...]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +87,7 @@ def define_op(
     reference: Path,
     kernels: Mapping[str, Path] | None = None,
     kernel_applies: Callable[..., bool] | None = None,
+    outputs: tuple[str, ...] = ("out",),
     saves_output: bool = False,
     boundaries: tuple[str, ...] = (),
 ) -> Op:
@@ -97,7 +101,9 @@ def define_op(
         kernels: backend name -> path, used when the first input is on CUDA and ``backend`` names it.
         kernel_applies: static predicate on the inputs (shapes, dtypes) that a kernel path also needs; inputs
             it refuses run the reference.
-        saves_output: whether the backward needs the forward's output (then saved too).
+        outputs: the names of the output tensors; several (``("out", "final_state")``) make the forward return
+            ``(*outputs, saved)`` and the backward take ``grad_<name>`` for each, as their schemas say.
+        saves_output: whether the backward needs the forward's (first) output (then saved too).
         boundaries: the inputs that hold document boundaries (``cu_seqlens``, its host copy ``cu_seqlens_cpu``,
             ``seq_idx``): the forward refuses them when they decrease, before any compute, where they can be read
             for free: on the host, and from the host copy when one is given (``batch.rules.refuse_steps_back``).
@@ -106,16 +112,17 @@ def define_op(
     names = [p.name for p in parameters]
     grad_positions = tuple(names.index(n) for n in differentiable)
     boundary_inputs = tuple((names.index(n), n) for n in boundaries)
-    paths = _Paths(name, reference, dict(kernels or {}), kernel_applies, grad_positions, boundary_inputs)
+    paths = _Paths(name, reference, dict(kernels or {}), kernel_applies, grad_positions, boundary_inputs,
+                   len(outputs))
 
-    # 1. the forward op, ``(*inputs) -> (out, saved)``, and its fake
-    forward_op = _custom_op(name, paths.forward, parameters, tuple[Tensor, list[Tensor]])
+    # 1. the forward op, ``(*inputs) -> (*outputs, saved)``, and its fake
+    forward_op = _custom_op(name, paths.forward, parameters, tuple[(Tensor,) * len(outputs) + (list[Tensor],)])
     forward_op.register_fake(paths.forward_fake)
 
-    # 2. the backward op, ``(grad_out, out?, saved, needs_grad, *inputs) -> grads``, and its fake: the compiler sees
+    # 2. the backward op, ``(*grads, out?, saved, needs_grad, *inputs) -> grads``, and its fake: the compiler sees
     #    the backward as one opaque call too
     backward_parameters = [
-        _parameter("grad_out", Tensor),
+        *(_parameter(f"grad_{output}", Tensor) for output in outputs),
         _parameter("out", Tensor | None),
         _parameter("saved", list[Tensor]),
         _parameter("needs_grad", list[bool]),
@@ -125,7 +132,7 @@ def define_op(
     backward_op.register_fake(paths.backward_fake)
 
     # 3. autograd: the forward op saves its inputs, ``saved`` (and ``out``); its gradient is the backward op
-    autograd = _Autograd(backward_op, len(parameters), grad_positions, saves_output)
+    autograd = _Autograd(backward_op, len(parameters), grad_positions, len(outputs), saves_output)
     forward_op.register_autograd(autograd.backward, setup_context=autograd.setup_context)
     return Op(name, forward_op, backward_op, paths.path_of)
 
@@ -152,6 +159,7 @@ class _Paths:
     kernel_applies: Callable[..., bool] | None
     grad_positions: tuple[int, ...]  # where the differentiable inputs are among the inputs
     boundary_inputs: tuple[tuple[int, str], ...]  # (position, name) of the boundary inputs
+    output_count: int
 
     def path_of(self, *inputs) -> Path:
         backend = inputs[-1]
@@ -179,12 +187,15 @@ class _Paths:
     def forward_fake(self, *inputs):
         return self.path_of(*inputs).fake(*inputs[:-1])
 
-    def backward(self, grad_out, out, saved, needs_grad, *inputs):
+    def backward(self, *arguments):
+        """``(*grads, out, saved, needs_grad, *inputs)``: one gradient per output first."""
+        inputs = arguments[self.output_count + 3 :]
         with _autocast_off(inputs[0]):
-            grads = self.path_of(*inputs).backward(grad_out, out, saved, needs_grad, *inputs[:-1])
+            grads = self.path_of(*inputs).backward(*arguments[: self.output_count + 3], *inputs[:-1])
         return [_as_gradient(grad, inputs[i]) for grad, i in zip(grads, self.grad_positions)]
 
-    def backward_fake(self, grad_out, out, saved, needs_grad, *inputs):
+    def backward_fake(self, *arguments):
+        inputs = arguments[self.output_count + 3 :]
         return [_gradient_like(inputs[i]) for i in self.grad_positions]
 
 
@@ -196,24 +207,34 @@ class _Autograd:
     backward_op: Callable
     input_count: int
     grad_positions: tuple[int, ...]
+    output_count: int
     saves_output: bool
 
     def setup_context(self, ctx, inputs, output):
-        out, saved = output
+        *outs, saved = output
+        out = outs[0]
         ctx.mark_non_differentiable(*saved)
-        ctx.set_materialize_grads(False)  # no zero-filled gradients for ``saved`` (only ``out`` is used)
+        # no zero-filled gradients for ``saved``; those of unused outputs are made in ``backward``, from their layouts
+        ctx.set_materialize_grads(False)
+        ctx.output_layouts = [(o.shape, o.dtype, o.device) for o in outs] if self.output_count > 1 else None
         # save_for_backward takes tensors (or None) only: the other inputs (ints, bools, the backend) stay on ctx
         tensor_positions = [i for i, x in enumerate(inputs) if isinstance(x, Tensor) or x is None]
         ctx.others = {i: x for i, x in enumerate(inputs) if i not in tensor_positions}
         ctx.tensor_positions = tensor_positions
         ctx.save_for_backward(*(inputs[i] for i in tensor_positions), out if self.saves_output else None, *saved)
 
-    def backward(self, ctx, grad_out, _grad_saved):
-        if grad_out is None:  # the output does not reach the loss
+    def backward(self, ctx, *grads_of_outputs):
+        grads_out = grads_of_outputs[: self.output_count]  # then ``saved``'s, never used
+        if all(grad is None for grad in grads_out):  # no output reaches the loss
             return (None,) * self.input_count
+        if self.output_count > 1:  # some outputs may not reach the loss: the backward op takes zeros for them
+            grads_out = [
+                torch.zeros(shape, dtype=dtype, device=device) if grad is None else grad
+                for grad, (shape, dtype, device) in zip(grads_out, ctx.output_layouts)
+            ]
         inputs, out, saved = self._saved_inputs(ctx)
         needs_grad = [bool(ctx.needs_input_grad[i]) and inputs[i] is not None for i in self.grad_positions]
-        grads = self.backward_op(grad_out, out, saved, needs_grad, *inputs)
+        grads = self.backward_op(*grads_out, out, saved, needs_grad, *inputs)
         result = [None] * self.input_count
         for i, grad, needed in zip(self.grad_positions, grads, needs_grad):
             result[i] = grad if needed else None

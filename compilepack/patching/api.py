@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import torch
 
-from .. import backends as _backends
-from ..distributed.context_parallel import ContextParallel, check_model
+from ..ops import backends as _backends
+from ..distributed.group import ContextParallel, check_model
 from ..errors import IncompatibleTransformersError, PatchConflictError
 from .family import family_named, family_of
 
@@ -136,7 +136,7 @@ def _with_context_parallel(model, family, chosen: _backends.Backends, group_or_m
     """``chosen`` with the context-parallel group, after checking the model can be split over it."""
     cp = ContextParallel.of(group_or_mesh)
     check_model(model, family, cp)
-    return dataclasses.replace(chosen, context_parallel=cp)
+    return dataclasses.replace(chosen, cp_group=cp)
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:

@@ -35,22 +35,22 @@ from ..errors import ContextParallelError
 
 def packed_decoder_forward(
     packed_forward: Callable, stock_forward: Callable, parameter_names: tuple[str, ...], *,
-    stock_packs_positions: bool = False, context_parallel=None,
+    stock_packs_positions: bool = False, cp_group=None,
 ) -> Callable:
     """A decoder ``forward``: a batch with boundary kwargs is checked, prepared and run by ``packed_forward`` (the
     stock forward rebound to compilepack's mask creators); any other batch runs ``stock_forward`` exactly.
 
     ``stock_packs_positions``: the stock forward keeps documents of a position_ids-only packed row apart by itself
     (attention-only families, when it builds no cache): such rows run stock. Otherwise they are refused, since the
-    stock forward would mix their documents. ``context_parallel``: the model's group (``patch(...,
-    context_parallel=)``), or None.
+    stock forward would mix their documents. ``cp_group``: the model's context-parallel group
+    (``patch(..., context_parallel=)``), or None.
     """
 
     @functools.wraps(stock_forward)  # the stock signature, for inspect.signature, Trainer and PEFT
     def forward(self, *args, **kwargs):
         kwargs.update(zip(parameter_names, args))  # transformers passes keywords; positional ones are named here
         if rules.has_boundaries(kwargs):
-            return packed_forward(self, **prepare_packed_kwargs(kwargs, context_parallel))
+            return packed_forward(self, **prepare_packed_kwargs(kwargs, cp_group))
         if not (stock_packs_positions and not _builds_cache(self, kwargs)):
             _refuse_unmarked_packing(kwargs)
         return stock_forward(self, **kwargs)
@@ -58,7 +58,7 @@ def packed_decoder_forward(
     return forward
 
 
-def prepare_packed_kwargs(kwargs: dict, context_parallel=None) -> dict:
+def prepare_packed_kwargs(kwargs: dict, cp_group=None) -> dict:
     """Boundary kwargs checked and on the tokens' device, with ``seq_idx`` and missing ``position_ids`` derived.
 
     ``cu_seq_lens_q`` is the single source of truth: ``seq_idx`` is recomputed from it (one searchsorted)
@@ -68,10 +68,10 @@ def prepare_packed_kwargs(kwargs: dict, context_parallel=None) -> dict:
     if tokens is None:
         tokens = kwargs[INPUTS_EMBEDS]
     rows, row_length = tokens.shape[0], tokens.shape[1]
-    if context_parallel is None:
+    if cp_group is None:
         _refuse_shard(kwargs)
     else:  # a shard holds 1/W of every row; its boundaries (cu_seq_lens_q, seq_idx) describe whole rows
-        check_batch(kwargs, context_parallel, "the packed decoder")
+        check_batch(kwargs, cp_group, "the packed decoder")
         row_length *= shards_per_row(kwargs, tokens)
     rules.check_static(kwargs, tokens, row_length)
     given = kwargs[CU_SEQLENS_Q]

@@ -24,7 +24,7 @@ import transformers
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from ..backends import Backends
+from ..ops.backends import Backends
 from ..batch.keys import BOUNDARY_KEYS
 from ..errors import IncompatibleTransformersError, UnsupportedModelError
 from . import replacements as R
@@ -286,13 +286,13 @@ def _patched_forwards(family: Family, backends: Backends, classes: tuple) -> dic
             raise IncompatibleTransformersError(f"cannot patch {family.name}: {error}") from error
     forwards[decoder_cls] = packed_decoder_forward(
         forwards[decoder_cls], decoder_cls.forward, _parameter_names(decoder_cls.forward),
-        stock_packs_positions=family.stock_packs_positions, context_parallel=backends.context_parallel,
+        stock_packs_positions=family.stock_packs_positions, cp_group=backends.cp_group,
     )
     for class_name in family.entries:
         cls = by_name[class_name]
         own = forwards.get(cls, cls.forward)  # an entry may also thread boundaries into its calls
         forwards[cls] = packed_decoder_forward(own, cls.forward, _parameter_names(cls.forward),
-                                               context_parallel=backends.context_parallel)
+                                               cp_group=backends.cp_group)
     return forwards
 
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from ..batch import rules
-from ..backends import Backends
+from ..ops.backends import Backends
 from ..batch.keys import CACHE_KEYS, CU_SEQLENS, CU_SEQLENS_Q, HOST_CU_SEQLENS, MAX_LENGTH_Q, SEQ_IDX
 from ..distributed.sharding import check_batch
 from ..errors import BoundaryError
@@ -31,11 +31,11 @@ from ..ops import (
     selective_scan_varlen,
     varlen_attention,
 )
-from ..ops.attention.context_parallel import varlen_attention_context_parallel
-from ..ops.causal_conv1d.context_parallel import causal_conv1d_context_parallel
-from ..ops.gated_delta_rule.context_parallel import gated_delta_rule_context_parallel
-from ..ops.kimi_delta_attention.context_parallel import kimi_delta_attention_context_parallel
-from ..ops.mamba2.context_parallel import mamba2_chunk_scan_context_parallel
+from ..ops.attention.sharded import varlen_attention_sharded
+from ..ops.causal_conv1d.sharded import causal_conv1d_sharded
+from ..ops.gated_delta_rule.sharded import gated_delta_rule_sharded
+from ..ops.kimi_delta_attention.sharded import kimi_delta_attention_sharded
+from ..ops.mamba2.sharded import mamba2_chunk_scan_sharded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +49,9 @@ class Replacement:
     expected_params: tuple[str | tuple[str, ...], ...] = ()
     # what runs on CUDA in its place when the kernel library is installed, for docs/models.md ("": nothing to say)
     kernels: str = ""
-    # whether its packed path runs under context parallelism (patch(model, context_parallel=...) refuses others)
-    context_parallel: bool = False
+    # whether its packed path runs sharded under context parallelism (patch(model, context_parallel=...) refuses
+    # models that call a replacement without it)
+    runs_sharded: bool = False
     # stock module functions that newer releases put between a layer's forward and this global (transformers 5.25:
     # the layer calls ``causal_conv1d_forward(conv1d, x, cache, ...)``, which calls ``causal_conv1d_fn``): a layer
     # whose forward loads one of them instead of ``global_name`` gets a copy of that function rebound (family.py)
@@ -70,16 +71,15 @@ class PackedAttentionFunctions:
     batches go to ``compilepack::varlen_attention``, everything else to the stock function.
     """
 
-    def __init__(self, stock, backend: str, context_parallel=None):
+    def __init__(self, stock, backend: str, cp=None):
         self._stock = stock
         self._backend = backend
-        self._context_parallel = context_parallel
+        self._cp = cp  # the ContextParallel group, or None
 
     def get_interface(self, attn_implementation, default):
         stock_attention = self._stock.get_interface(attn_implementation, default)
         return functools.partial(
-            packed_attention, stock_attention=stock_attention, backend=self._backend,
-            context_parallel=self._context_parallel,
+            packed_attention, stock_attention=stock_attention, backend=self._backend, cp=self._cp,
         )
 
     def __getitem__(self, attn_implementation):
@@ -87,14 +87,14 @@ class PackedAttentionFunctions:
 
 
 def packed_attention(
-    module, query, key, value, attention_mask, *, stock_attention, backend, context_parallel=None, **kwargs
+    module, query, key, value, attention_mask, *, stock_attention, backend, cp=None, **kwargs
 ):
     """transformers attention-interface function: ``[B, H, T, D]`` inputs, returns ``([B, T, H, Dv], None)``.
 
     Only a packed batch (one that carries ``cu_seq_lens_q``: a static fact) runs compilepack's op; every other call
     (padded, unpadded, cached decoding) is the stock function's, with its dropout and attention weights. Under
     context parallelism the op runs head-parallel over the whole rows, over tokens against the gathered keys, or
-    both (``ops/attention/context_parallel.py``)."""
+    both (``ops/attention/sharded.py``)."""
     cu_seqlens = kwargs.get(CU_SEQLENS_Q)
     if cu_seqlens is None:
         return stock_attention(module, query, key, value, attention_mask, **kwargs)
@@ -106,10 +106,10 @@ def packed_attention(
         causal=getattr(module, "is_causal", True), scale=kwargs.get("scaling"), window=kwargs.get("sliding_window"),
         cu_seqlens_cpu=kwargs.get(HOST_CU_SEQLENS), backend=backend,
     )
-    if context_parallel is not None:  # head-parallel over the whole rows, or over tokens (the group's mode)
-        check_batch(kwargs, context_parallel, type(module).__name__)
-        out = varlen_attention_context_parallel(
-            query, key, value, cu_seqlens, max_seqlen, global_length=kwargs[SEQ_IDX].shape[-1], cp=context_parallel,
+    if cp is not None:  # head-parallel over the whole rows, or over tokens (the group's mode)
+        check_batch(kwargs, cp, type(module).__name__)
+        out = varlen_attention_sharded(
+            query, key, value, cu_seqlens, max_seqlen, global_length=kwargs[SEQ_IDX].shape[-1], cp=cp,
             where=type(module).__name__, **options,
         )
         return out, None
@@ -154,9 +154,9 @@ def _refuse_unsupported_attention(module, kwargs) -> None:
 
 
 ATTENTION = Replacement(
-    "ALL_ATTENTION_FUNCTIONS", lambda stock, b: PackedAttentionFunctions(stock, b.attention, b.context_parallel),
+    "ALL_ATTENTION_FUNCTIONS", lambda stock, b: PackedAttentionFunctions(stock, b.attention, b.cp_group),
     kernels="attention: flash-attn varlen, else torch varlen_attn (CPU: per-document flash kernel)",
-    context_parallel=True,
+    runs_sharded=True,
 )
 
 
@@ -186,7 +186,7 @@ MASK_CREATORS = (CAUSAL_MASK, SLIDING_WINDOW_MASK)
 
 
 def _make_causal_conv1d(stock: Callable, backends: Backends) -> Callable:
-    cp = backends.context_parallel  # fixed at patch() time: a model without it never runs distributed code
+    cp = backends.cp_group  # fixed at patch() time: a model without it never runs distributed code
 
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, seq_idx=None, **kwargs):
         if seq_idx is None:
@@ -194,7 +194,7 @@ def _make_causal_conv1d(stock: Callable, backends: Backends) -> Callable:
         if cp is None:
             return causal_conv1d_varlen(hidden_states, weight, bias, seq_idx, activation, backend=backends.conv)
         check_batch(kwargs, cp, "causal conv1d")  # channel-parallel over the whole rows, or over tokens (a halo)
-        return causal_conv1d_context_parallel(hidden_states, weight, bias, seq_idx, activation, backend=backends.conv,
+        return causal_conv1d_sharded(hidden_states, weight, bias, seq_idx, activation, backend=backends.conv,
                                               cp=cp)
 
     return causal_conv1d_fn
@@ -202,7 +202,7 @@ def _make_causal_conv1d(stock: Callable, backends: Backends) -> Callable:
 
 CAUSAL_CONV1D = Replacement(
     "causal_conv1d_fn", _make_causal_conv1d, ("hidden_states", "weight", "bias", "activation"),
-    kernels="conv: causal-conv1d causal_conv1d_fn(seq_idx)", context_parallel=True, via=("causal_conv1d_forward",),
+    kernels="conv: causal-conv1d causal_conv1d_fn(seq_idx)", runs_sharded=True, via=("causal_conv1d_forward",),
 )
 
 
@@ -210,16 +210,16 @@ CAUSAL_CONV1D = Replacement(
 
 
 def _delta_rule(
-    global_name: str, varlen: Callable, context_parallel: Callable, what: str, boundaries: str,
+    global_name: str, varlen: Callable, sharded: Callable, what: str, boundaries: str,
     stock_takes_kwargs: bool, kernels: str,
 ) -> Replacement:
     """transformers' chunked delta rule ``global_name`` (``query, key, value, g, beta`` and its chunk, state and
     l2norm arguments): the stock function for batches without boundaries, compilepack's op ``varlen`` for those that
-    pass them (as the keyword ``boundaries``), or its ``context_parallel`` wrapper under context parallelism.
+    pass them (as the keyword ``boundaries``), or its ``sharded`` form under context parallelism.
     ``stock_takes_kwargs``: the other keywords go to the stock function too."""
 
     def make(stock: Callable, backends: Backends) -> Callable:
-        cp = backends.context_parallel
+        cp = backends.cp_group
 
 
         def chunk_delta_rule(
@@ -236,29 +236,29 @@ def _delta_rule(
             _refuse_state(initial_state is not None or output_final_state, what)
             options = dict(
                 use_qk_l2norm=use_qk_l2norm_in_kernel, cu_seqlens_cpu=kwargs.get(HOST_CU_SEQLENS),
-                backend=backends.gated_delta,
+                backend=backends.delta_rule,
             )
             if cp is None:
                 return varlen(query, key, value, g, beta, cu_seqlens, **options), None
             check_batch(kwargs, cp, what)  # head-parallel over the whole rows, or over tokens (a state pass)
-            return context_parallel(query, key, value, g, beta, cu_seqlens, cp=cp, where=what, **options), None
+            return sharded(query, key, value, g, beta, cu_seqlens, cp=cp, where=what, **options), None
 
         chunk_delta_rule.__name__ = chunk_delta_rule.__qualname__ = global_name
         return chunk_delta_rule
 
     expected = ("query", "key", "value", "g", "beta", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel")
-    return Replacement(global_name, make, expected, kernels, context_parallel=True)
+    return Replacement(global_name, make, expected, kernels, runs_sharded=True)
 
 
 # Gated DeltaNet's delta rule; its layers pass the boundaries as ``cu_seqlens``.
 GATED_DELTA_RULE = _delta_rule(
-    "torch_chunk_gated_delta_rule", gated_delta_rule_varlen, gated_delta_rule_context_parallel, "gated delta rule",
+    "torch_chunk_gated_delta_rule", gated_delta_rule_varlen, gated_delta_rule_sharded, "gated delta rule",
     CU_SEQLENS, stock_takes_kwargs=False, kernels="delta rule: fla chunk_gated_delta_rule(cu_seqlens)",
 )
-# The KDA kernel of Kimi Linear, given the layer's kwargs; CUDA backend: the gated-delta-rule kind's choice (fla
-# serves both).
+# The KDA kernel of Kimi Linear, given the layer's kwargs; CUDA backend: the delta-rule kind's choice (fla serves
+# both).
 KIMI_DELTA_ATTENTION = _delta_rule(
-    "chunk_kimi_delta_attention", kimi_delta_attention_varlen, kimi_delta_attention_context_parallel,
+    "chunk_kimi_delta_attention", kimi_delta_attention_varlen, kimi_delta_attention_sharded,
     "Kimi delta attention", CU_SEQLENS_Q, stock_takes_kwargs=True, kernels="KDA: fla chunk_kda(cu_seqlens)",
 )
 
@@ -267,7 +267,7 @@ KIMI_DELTA_ATTENTION = _delta_rule(
 
 
 def _make_mamba2_chunk_scan(stock: Callable, backends: Backends) -> Callable:
-    cp = backends.context_parallel
+    cp = backends.cp_group
 
     def mamba2_chunk_scan(
         hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None, dt_softplus=False,
@@ -284,7 +284,7 @@ def _make_mamba2_chunk_scan(stock: Callable, backends: Backends) -> Callable:
         scan = mamba2_chunk_scan_varlen
         if cp is not None:  # head-parallel over the whole rows, or over tokens (a state pass)
             check_batch(kwargs, cp, "Mamba2 scan")
-            scan = functools.partial(mamba2_chunk_scan_context_parallel, cp=cp)
+            scan = functools.partial(mamba2_chunk_scan_sharded, cp=cp)
         return scan(
             hidden_states, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
             dt_limit=tuple(dt_limit), seq_idx=seq_idx, backend=backends.ssd,
@@ -297,11 +297,11 @@ MAMBA2_CHUNK_SCAN = Replacement(
     "mamba2_chunk_scan",
     _make_mamba2_chunk_scan,
     ("hidden_states", "dt", "A", "B", "C", "chunk_size", "D", "dt_bias", "initial_states", "dt_softplus", "dt_limit"),
-    kernels="scan: mamba-ssm mamba_chunk_scan_combined(seq_idx)", context_parallel=True, via=("mamba2_scan_forward",),
+    kernels="scan: mamba-ssm mamba_chunk_scan_combined(seq_idx)", runs_sharded=True, via=("mamba2_scan_forward",),
 )
 
 
-def _unfused_when_packed(global_name: str, expected_params: tuple[str, ...], context_parallel: bool) -> Replacement:
+def _unfused_when_packed(global_name: str, expected_params: tuple[str, ...], runs_sharded: bool) -> Replacement:
     """A fused mixer kernel's global: the stock kernel for batches without boundaries; for a packed batch None,
     which is how the stock forward asks for its unfused path, whose conv and scan are compilepack's ops. Decided
     from static facts only (whether ``seq_idx`` is passed)."""
@@ -316,7 +316,7 @@ def _unfused_when_packed(global_name: str, expected_params: tuple[str, ...], con
         return unfused_when_packed
 
     return Replacement(global_name, make, expected_params, kernels=f"fused {global_name}: never on packed batches",
-                       context_parallel=context_parallel, optional=True)
+                       runs_sharded=runs_sharded, optional=True)
 
 
 # A packed batch always takes the mixer's unfused path, its conv and scan each on their CUDA kernel when
@@ -324,7 +324,7 @@ def _unfused_when_packed(global_name: str, expected_params: tuple[str, ...], con
 # bypass adapters such as LoRA on those modules, and the replacement never sees the modules to tell.
 MAMBA2_SPLIT_CONV1D_SCAN = _unfused_when_packed(
     "mamba2_split_conv1d_scan_combined", ("zxbcdt", "conv1d_weight", "conv1d_bias", "dt_bias", "A", "D", "chunk_size"),
-    context_parallel=True,
+    runs_sharded=True,
 )
 
 
@@ -368,7 +368,7 @@ SELECTIVE_SCAN = Replacement(
 MAMBA_INNER = _unfused_when_packed(
     "mamba_inner_fn",
     ("xz", "conv1d_weight", "conv1d_bias", "x_proj_weight", "delta_proj_weight", "out_proj_weight", "A"),
-    context_parallel=False,
+    runs_sharded=False,
 )
 
 

@@ -21,13 +21,13 @@ def _op_cases(total: int) -> dict:
     from compilepack import Boundaries
     from compilepack.distributed import ContextParallel
     from compilepack.ops.attention import varlen_attention
-    from compilepack.ops.attention.context_parallel import varlen_attention_head_parallel
+    from compilepack.ops.attention.sharded import varlen_attention_head_parallel
     from compilepack.ops.causal_conv1d import causal_conv1d_varlen
-    from compilepack.ops.causal_conv1d.context_parallel import causal_conv1d_head_parallel
+    from compilepack.ops.causal_conv1d.sharded import causal_conv1d_head_parallel
     from compilepack.ops.gated_delta_rule import gated_delta_rule_varlen
-    from compilepack.ops.gated_delta_rule.context_parallel import gated_delta_rule_head_parallel
+    from compilepack.ops.gated_delta_rule.sharded import gated_delta_rule_head_parallel
     from compilepack.ops.mamba2 import mamba2_chunk_scan_varlen
-    from compilepack.ops.mamba2.context_parallel import mamba2_chunk_scan_head_parallel
+    from compilepack.ops.mamba2.sharded import mamba2_chunk_scan_head_parallel
 
     cp = ContextParallel.of(_world())
     b = Boundaries.from_lengths(OP_LENGTHS)

@@ -59,15 +59,15 @@ def _op_inputs(rows: int, total: int) -> dict:
 def _op_calls(cu: torch.Tensor, seq_idx: torch.Tensor, longest: int) -> dict:
     """``name -> (cp_call(cp, *inputs, *params), full_call(*inputs, *params))`` for the boundaries given."""
     from compilepack.ops.attention import varlen_attention
-    from compilepack.ops.attention.context_parallel import varlen_attention_context_parallel
+    from compilepack.ops.attention.sharded import varlen_attention_sharded
     from compilepack.ops.causal_conv1d import causal_conv1d_varlen
-    from compilepack.ops.causal_conv1d.context_parallel import causal_conv1d_context_parallel
+    from compilepack.ops.causal_conv1d.sharded import causal_conv1d_sharded
     from compilepack.ops.gated_delta_rule import gated_delta_rule_varlen
-    from compilepack.ops.gated_delta_rule.context_parallel import gated_delta_rule_context_parallel
+    from compilepack.ops.gated_delta_rule.sharded import gated_delta_rule_sharded
     from compilepack.ops.kimi_delta_attention import kimi_delta_attention_varlen
-    from compilepack.ops.kimi_delta_attention.context_parallel import kimi_delta_attention_context_parallel
+    from compilepack.ops.kimi_delta_attention.sharded import kimi_delta_attention_sharded
     from compilepack.ops.mamba2 import mamba2_chunk_scan_varlen
-    from compilepack.ops.mamba2.context_parallel import mamba2_chunk_scan_context_parallel
+    from compilepack.ops.mamba2.sharded import mamba2_chunk_scan_sharded
 
     rows, total = seq_idx.shape
 
@@ -76,7 +76,7 @@ def _op_calls(cu: torch.Tensor, seq_idx: torch.Tensor, longest: int) -> dict:
         return varlen_attention(*flat, cu, longest, window=window).view(rows, total, q.shape[2], -1)
 
     def attention_cp(cp, q, k, v, window=None):
-        return varlen_attention_context_parallel(
+        return varlen_attention_sharded(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), cu, longest, global_length=total, cp=cp,
             where="attention", cu_seqlens_cpu=cu, window=window, backend="reference",
         )
@@ -85,7 +85,7 @@ def _op_calls(cu: torch.Tensor, seq_idx: torch.Tensor, longest: int) -> dict:
         return causal_conv1d_varlen(x.transpose(1, 2), weight, bias, seq_idx, "silu").transpose(1, 2)
 
     def conv_cp(cp, x, weight, bias):
-        return causal_conv1d_context_parallel(x.transpose(1, 2), weight, bias, seq_idx, "silu", backend="reference",
+        return causal_conv1d_sharded(x.transpose(1, 2), weight, bias, seq_idx, "silu", backend="reference",
                                               cp=cp).transpose(1, 2)
 
     def delta_full(op, *inputs):
@@ -98,7 +98,7 @@ def _op_calls(cu: torch.Tensor, seq_idx: torch.Tensor, longest: int) -> dict:
         return mamba2_chunk_scan_varlen(x, dt, A, B, C, 16, D=D, dt_bias=dt_bias, dt_softplus=True, seq_idx=seq_idx)
 
     def mamba_cp(cp, x, dt, B, C, A, D, dt_bias):
-        return mamba2_chunk_scan_context_parallel(x, dt, A, B, C, 16, D=D, dt_bias=dt_bias, dt_softplus=True,
+        return mamba2_chunk_scan_sharded(x, dt, A, B, C, 16, D=D, dt_bias=dt_bias, dt_softplus=True,
                                                   seq_idx=seq_idx, backend="reference", cp=cp)
 
     kda = functools.partial(kimi_delta_attention_varlen, use_qk_l2norm=True)
@@ -106,9 +106,9 @@ def _op_calls(cu: torch.Tensor, seq_idx: torch.Tensor, longest: int) -> dict:
         "attention": (attention_cp, attention_full),
         "attention_window": (functools.partial(_windowed, attention_cp), functools.partial(_windowed, attention_full)),
         "causal_conv1d": (conv_cp, conv_full),
-        "gated_delta_rule": (functools.partial(delta_cp, gated_delta_rule_context_parallel),
+        "gated_delta_rule": (functools.partial(delta_cp, gated_delta_rule_sharded),
                              functools.partial(delta_full, gated_delta_rule_varlen)),
-        "kimi_delta_attention": (functools.partial(delta_cp, kimi_delta_attention_context_parallel),
+        "kimi_delta_attention": (functools.partial(delta_cp, kimi_delta_attention_sharded),
                                  functools.partial(delta_full, kda)),
         "mamba2_scan": (mamba_cp, mamba_full),
     }
@@ -163,7 +163,7 @@ def conv_short_slices() -> dict:
     is gathered; output and gradients equal the conv on one process; control: the slice alone."""
     from compilepack import Boundaries
     from compilepack.ops.causal_conv1d import causal_conv1d_varlen
-    from compilepack.ops.causal_conv1d.context_parallel import causal_conv1d_sequence_parallel
+    from compilepack.ops.causal_conv1d.sharded import causal_conv1d_sequence_parallel
 
     cp = context_parallel("sequence")
     world, rank = dist.get_world_size(), dist.get_rank()

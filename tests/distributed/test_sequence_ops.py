@@ -172,3 +172,30 @@ def test_auto_schedule_sends_fewer_elements(world, matrix_schedule, scalar_sched
     sequential, log = schedule_elements(state, state, world)
     assert sequential == (world - 1) * state
     assert log < sequential if matrix_schedule == "log" else log > sequential
+
+
+@pytest.mark.parametrize("rule", list(DELTA_RULES))
+def test_delta_rule_state_output_left_out_of_the_loss(rule):
+    """An output that does not reach the loss (the final state, or o) counts as a zero gradient: the same gradients
+    as with that output times zero in the loss, eager and compiled (one graph, AOT autograd tracing the zeros)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    _, state_op, _, per_channel = DELTA_RULES[rule]
+    x = [t.requires_grad_() for t in _delta_inputs(40, per_channel, heads=1, value_heads=2, key_dim=4, value_dim=3)]
+    initial = torch.randn(1, 2, 4, 3, dtype=F64, requires_grad=True)
+    inputs, cu = [*x, initial], _cu(0, 17, 40)
+
+    def grads(loss_of, run=state_op):
+        return torch.autograd.grad(loss_of(*run(*x, cu, initial)), inputs)
+
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(state_op, backend=counter, fullgraph=True)
+    for alone, with_zero in (
+        (lambda o, final: o.sum(), lambda o, final: o.sum() + (final * 0).sum()),
+        (lambda o, final: final.sum(), lambda o, final: (o * 0).sum() + final.sum()),
+    ):
+        expected = grads(with_zero)
+        for got in (grads(alone), grads(alone, compiled)):
+            for a, b in zip(got, expected):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert counter.frame_count == 1

@@ -334,7 +334,7 @@ def refusals() -> dict:
 
 def _conv_with_channels(channels: int):
     from compilepack.distributed import ContextParallel
-    from compilepack.ops.causal_conv1d.context_parallel import causal_conv1d_head_parallel
+    from compilepack.ops.causal_conv1d.sharded import causal_conv1d_head_parallel
 
     cp = ContextParallel.of(_world())
     total = 4 * cp.size

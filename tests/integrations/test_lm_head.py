@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import compilepack
-from compilepack.backends import resolve
+from compilepack.ops.backends import resolve
 from compilepack.patching import patch_state
 import compilepack.patching.chunked_head as chunked_head
 from compilepack.errors import CompilepackError, IncompatibleTransformersError

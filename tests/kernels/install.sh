@@ -13,7 +13,7 @@ python -m pip install --quiet "torch==2.13.0" "triton==3.9.0" einops -e ".[test]
 # fla: pure Python + Triton; the oldest release compilepack admits (pyproject: fla >= 0.6)
 python -m pip install --quiet --no-deps "fla-core==0.6.0" "flash-linear-attention==0.6.0"
 # mamba-ssm without its CUDA extensions (this machine cannot build them): only its Triton kernels are used, which
-# compilepack reaches without the package __init__ (compilepack.backends.load). Without FORCE_BUILD its setup
+# compilepack reaches without the package __init__ (compilepack.ops.backends.load). Without FORCE_BUILD its setup
 # tries to download a prebuilt CUDA wheel.
 MAMBA_FORCE_BUILD=TRUE MAMBA_SKIP_CUDA_BUILD=TRUE \
     python -m pip install --quiet --no-deps --no-build-isolation "mamba-ssm==2.3.2.post1"

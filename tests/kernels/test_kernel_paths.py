@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compilepack import backends
+from compilepack.ops import backends
 from compilepack.batch.derived import seq_idx_from_cu_seqlens
 from compilepack.ops import gated_delta_rule, kimi_delta_attention, mamba2
 from tests.ops.properties import assert_close

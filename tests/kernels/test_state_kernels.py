@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compilepack import backends
+from compilepack.ops import backends
 from compilepack.batch.derived import seq_idx_from_cu_seqlens
 from compilepack.ops import _fla, gated_delta_rule, kimi_delta_attention, mamba2
 from tests.ops.properties import assert_close, max_error
@@ -205,10 +205,10 @@ def test_mamba_ssm_initial_states_reach_only_document_id_0(kernels_on_cpu):
 def _assert_fake_matches(op, inputs):
     """The kernel path's fake (what the compiler plans with) describes what the library's path returned."""
     path = op.path_of(*inputs)
-    real_out, real_saved = path.forward(*inputs[:-1])
-    fake_out, fake_saved = path.fake(*inputs[:-1])
-    assert len(real_saved) == len(fake_saved)
-    for real, fake in zip([real_out, *real_saved], [fake_out, *fake_saved]):
+    *real_outs, real_saved = path.forward(*inputs[:-1])
+    *fake_outs, fake_saved = path.fake(*inputs[:-1])
+    assert len(real_outs) == len(fake_outs) and len(real_saved) == len(fake_saved)
+    for real, fake in zip([*real_outs, *real_saved], [*fake_outs, *fake_saved]):
         assert (real.shape, real.dtype, real.stride()) == (fake.shape, fake.dtype, fake.stride())
 
 

@@ -104,7 +104,7 @@ class FakeTorchAttnKV(types.SimpleNamespace):
 
 def _rank_slice(lengths, rows, world, rank):
     """The sequence mode's boundaries on ``rank`` of ``world``: its queries' (its slice) and its keys' (every token
-    of the rows up to its slice end), as ``ops/attention/context_parallel.py`` builds them."""
+    of the rows up to its slice end), as ``ops/attention/sharded.py`` builds them."""
     cu, length = cu_seqlens_of(lengths), sum(lengths) // rows
     local = length // world
     cu_q = scan.local_cu_seqlens(cu, rows, length, rank * local, local)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from compilepack import backends
+from compilepack.ops import backends
 from compilepack.ops.attention import flash_attn, torch_varlen, varlen_attention
 from compilepack.ops.causal_conv1d import causal_conv1d_kernel, causal_conv1d_varlen
 from compilepack.ops.mamba2 import mamba2_chunk_scan_varlen, mamba_ssm
@@ -254,7 +254,7 @@ def _installed(monkeypatch, versions: dict[str, str | None]):
 @pytest.mark.parametrize(("backend", "kind", "old", "floor"), [
     ("flash_attn", "attention", "2.6.3", "2.7.0"),
     ("causal_conv1d", "conv", "1.5.0.post8", "1.5.1"),
-    ("fla", "gated_delta", "0.5.2", "0.6.0"),
+    ("fla", "delta_rule", "0.5.2", "0.6.0"),
     ("mamba_ssm", "ssd", "2.2.2", "2.2.3"),
     ("torch_varlen", "attention", "2.11.0+cu130", "2.13.0"),
 ])
@@ -276,7 +276,7 @@ def test_a_library_of_unknown_version_is_refused(monkeypatch):
     _installed(monkeypatch, {"fla": None})
     with pytest.raises(backends.KernelVersionError, match="cannot be read"):
         backends.resolve("auto")
-    assert backends.resolve({"gated_delta": backends.REFERENCE}).gated_delta == backends.REFERENCE
+    assert backends.resolve({"delta_rule": backends.REFERENCE}).delta_rule == backends.REFERENCE
 
 
 def test_installed_version_reads_package_metadata_without_importing(monkeypatch):
@@ -311,10 +311,10 @@ def test_fla_on_hopper_with_a_triton_that_breaks_its_gated_backward_is_refused(m
     # seen on the lent H200: Triton 3.6.0, fla 0.6.0 raised at the first backward of every gated-delta-rule layout
     _installed(monkeypatch, {"fla": "0.6.0"})
     _hopper_with(monkeypatch, "3.6.0")
-    for argument in ("auto", {"gated_delta": "fla"}):
+    for argument in ("auto", {"delta_rule": "fla"}):
         with pytest.raises(backends.KernelVersionError, match=r"Triton 3\.6\.0 is installed.*fla #640.*triton>=3\.7\.1"):
             backends.resolve(argument)
-    assert backends.resolve({"gated_delta": backends.REFERENCE}).gated_delta == backends.REFERENCE
+    assert backends.resolve({"delta_rule": backends.REFERENCE}).delta_rule == backends.REFERENCE
 
 
 @pytest.mark.parametrize(("triton", "tilelang", "capability"), [
@@ -323,4 +323,21 @@ def test_fla_on_hopper_with_a_triton_that_breaks_its_gated_backward_is_refused(m
 def test_fla_is_admitted_where_its_gated_backward_is_right(monkeypatch, triton, tilelang, capability):
     _installed(monkeypatch, {"fla": "0.6.0"})
     _hopper_with(monkeypatch, triton, tilelang, capability)
-    assert backends.resolve("auto").gated_delta == "fla"
+    assert backends.resolve("auto").delta_rule == "fla"
+
+
+def test_the_old_delta_rule_kind_and_backends_keywords_warn_and_still_work(monkeypatch):
+    """``gated_delta`` (both delta rules' kind, now ``delta_rule``) and ``Backends(context_parallel=)`` (now
+    ``cp_group``) are accepted with a DeprecationWarning naming the new name."""
+    _installed(monkeypatch, {})
+    with pytest.warns(DeprecationWarning, match="'gated_delta' is deprecated, use 'delta_rule'"):
+        chosen = backends.resolve({"gated_delta": backends.REFERENCE})
+    assert chosen.delta_rule == backends.REFERENCE
+    group = object()
+    with pytest.warns(DeprecationWarning, match="'context_parallel' is deprecated, use 'cp_group'"):
+        old = backends.Backends(gated_delta="fla", context_parallel=group)
+    assert old == backends.Backends(delta_rule="fla", cp_group=group)
+    with pytest.warns(DeprecationWarning, match="use 'delta_rule'"):
+        assert old.gated_delta == "fla"
+    with pytest.raises(TypeError, match="unexpected keywords"):
+        backends.Backends(delta=backends.REFERENCE)

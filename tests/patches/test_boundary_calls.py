@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from compilepack import IncompatibleTransformersError
-from compilepack.backends import Backends
+from compilepack.ops.backends import Backends
 from compilepack.patching import Family
 from compilepack.patching.rebind import install, with_globals
 from tests.patches import boundary_call_stubs as stubs

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from compilepack import IncompatibleTransformersError
-from compilepack.backends import Backends
+from compilepack.ops.backends import Backends
 from compilepack.patching import Family, Replacement
 from compilepack.patching.family import function_behind
 from tests.patches import boundary_call_stubs as stubs

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compilepack.backends import Backends
+from compilepack.ops.backends import Backends
 from compilepack.errors import BoundaryError
 from compilepack.ops.attention import varlen_attention
 from compilepack.patching import family_named

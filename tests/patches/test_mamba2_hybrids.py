@@ -6,7 +6,7 @@ import pytest
 
 import compilepack.ops.mamba2 as mamba2_ops
 import compilepack.patching.replacements as replacements
-from compilepack.backends import Backends
+from compilepack.ops.backends import Backends
 from compilepack.patching import MAMBA2_SPLIT_CONV1D_SCAN, patch_state
 from compilepack.patching.family import _key
 from compilepack.patching.rebind import private_name

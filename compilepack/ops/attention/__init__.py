@@ -18,7 +18,7 @@ The forward also returns the log-sum-exp ``[H, T]`` (saved for the explicit back
 
 ``compilepack::varlen_attention_kv``: each document's queries attend its keys from separate boundaries
 (``cu_seqlens_q``, ``cu_seqlens_k``, flash-attn's varlen convention, causal aligned at the bottom right): what context
-parallelism over tokens needs (a rank's queries against the gathered keys, ``context_parallel.py``); on CUDA the same
+parallelism over tokens needs (a rank's queries against the gathered keys, ``sharded.py``); on CUDA the same
 kernels as ``varlen_attention`` with separate q / k boundaries (``PATH_KV`` in ``flash_attn.py``, ``torch_varlen.py``).
 """
 
@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ... import backends
+from .. import backends
 from .._scaffold import define_op
 from . import flash_attn, reference, torch_varlen
 from .naive import attention_naive

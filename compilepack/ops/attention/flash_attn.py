@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ... import backends
+from .. import backends
 from .._scaffold import Path
 
 FLASH_MODULE = "flash_attn.flash_attn_interface"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ... import backends
+from .. import backends
 from .._scaffold import Path
 from .flash_attn import kernel_max_seqlen, refuse_more_queries_than_keys
 from .reference import NO_WINDOW

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ... import backends
+from .. import backends
 from .._scaffold import define_op
 from . import causal_conv1d_kernel, reference
 from .naive import causal_conv1d_naive

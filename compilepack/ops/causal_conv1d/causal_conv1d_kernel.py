@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ... import backends
+from .. import backends
 from .._scaffold import Path
 from . import reference
 

@@ -8,7 +8,7 @@ exactly the output it gets when run alone.
 
 ``compilepack::gated_delta_rule_varlen_state`` is the same op with a state in and out (each row's first document
 starts from a given state; each row's last state is returned): what context parallelism over tokens needs
-(``context_parallel.py``); on CUDA fla's chunk kernels with one initial and final state per document
+(``sharded.py``); on CUDA fla's chunk kernels with one initial and final state per document
 (``fla.py``).
 """
 
@@ -16,9 +16,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ... import backends
-from .._chunked import check_delta_rule_inputs, define_delta_rule_op, run_delta_rule
-from .._scaffold import define_op
+from .. import backends
+from .._delta_rule import define_delta_rule_op, define_delta_rule_state_op, run_delta_rule, run_delta_rule_state
 from . import fla, reference
 from .naive import gated_delta_rule_naive
 
@@ -86,32 +85,12 @@ def gated_delta_rule_varlen_state(
         o, final = gated_delta_rule_varlen_state(q, k, v, g, beta, cu, torch.randn(1, 4, 16, 16))
         # o: [1, 8, 4, 16] (document 0 continued the given state); final: [1, 4, 16, 16] (document 1's last state)
     """
-    check_delta_rule_inputs(q, k, v, g, beta, cu_seqlens, per_channel_decay=False)
-    return run_state_op(OP_STATE, q, k, v, g, beta, cu_seqlens, initial_state, use_qk_l2norm, scale, cu_seqlens_cpu,
-                        backend)
+    return run_delta_rule_state(
+        OP_STATE, q, k, v, g, beta, cu_seqlens, initial_state, use_qk_l2norm, scale, cu_seqlens_cpu, backend,
+        per_channel_decay=False,
+    )
 
 
-def run_state_op(op, q, k, v, g, beta, cu_seqlens, initial_state, use_qk_l2norm, scale, cu_seqlens_cpu, backend):
-    """A delta rule's state op, its flat output split into ``o`` (in q's dtype) and the final states."""
-    rows, length, value_heads, value_dim = v.shape
-    state_shape = (rows, value_heads, q.shape[3], value_dim)
-    if initial_state.shape != state_shape:
-        raise ValueError(f"initial_state must be [B, HV, K, V] = {state_shape}, got {tuple(initial_state.shape)}.")
-    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
-    out, _ = op(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, initial_state, bool(use_qk_l2norm), scale, backend)
-    o, final = out.split([rows * length * value_heads * value_dim, rows * value_heads * q.shape[3] * value_dim])
-    return o.view(v.shape).to(q.dtype), final.view(state_shape)
-
-
-def _state_signature(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor, cu_seqlens_cpu: Tensor | None,
-    initial_state: Tensor, use_qk_l2norm: bool, scale: float, backend: str,
-): ...
-
-
-# one output, flat: the output then the final states (the scaffold's ops have one differentiable output)
-OP_STATE = define_op(
-    "compilepack::gated_delta_rule_varlen_state", signature=_state_signature,
-    differentiable=("q", "k", "v", "g", "beta", "initial_state"), reference=reference.PATH_STATE,
-    kernels={"fla": fla.PATH_STATE}, boundaries=("cu_seqlens", "cu_seqlens_cpu"),
+OP_STATE = define_delta_rule_state_op(
+    "compilepack::gated_delta_rule_varlen_state", reference.PATH_STATE, fla.PATH_STATE
 )

@@ -25,13 +25,13 @@ from torch import Tensor
 
 from .._chunked import (
     ChunkedInputs,
-    compute_dtype,
     fake_chunk_states_and_inverses,
     saved_inverses,
     segmented_cumsum,
     segmented_cumsum_backward,
     unit_lower_inverse,
 )
+from .._delta_rule.reference import state_path
 from .._scaffold import Path
 
 # The chunk: exact for any value. Its [C, C] pair tensors cost T * C per op and the backward's elementwise passes
@@ -209,95 +209,13 @@ PATH = Path(forward=forward, backward=backward, fake=fake)
 
 # ------------------------------------------------------------------------------------------------ with a state
 #
-# ``compilepack::gated_delta_rule_varlen_state`` (context parallelism over tokens): each row's first document starts
-# from ``initial_state[row]`` instead of zero, and the state at each row's end (its last document's) is returned.
-# Rows run one at a time, each chunked from its own start, so the state is read at a chunk start as any carried
-# state is; the chunk padding after a row's last token joins its last document (zero q, k, v, g, beta: exactly
-# nothing is written or decayed), so the last chunk's end state is the state after the row's last token.
-
-
-def row_boundaries(cu_seqlens: Tensor, row: int, length: int, chunk: int) -> Tensor:
-    """``cu_seqlens`` (over rows of ``length`` flattened) as the boundaries of row ``row`` alone, its last document
-    extended over the chunk padding: documents of other rows become empty. Tensor ops only (no host read)."""
-    local = (cu_seqlens - row * length).clamp(0, length)
-    return torch.where(local == length, -(-length // chunk) * chunk, local)
-
-
-def state_forward(chunks_of, run, q, k, v, g, beta, cu_seqlens, initial_state, use_qk_l2norm, scale, chunk):
-    """A delta rule's forward with a state, row by row: ``chunks_of(*row_inputs, bounds, use_qk_l2norm, scale,
-    a_inv, reads_initial=True)`` cuts a row into chunks, ``run(c, initial)`` returns its chunked output and its
-    states (at every chunk start, then the final one). ``(out, [states, inverses])``: ``out`` flat in the compute
-    dtype, the output ``[B, T, HV, V]`` then the final states ``[B, HV, K, V]``; per row, the state at every chunk
-    start and every chunk's ``A^-1``, flat."""
-    outputs, finals, saved_states, saved_inverses = [], [], [], []
-    for row in range(q.shape[0]):
-        c = _row_chunks(chunks_of, row, (q, k, v, g, beta), cu_seqlens, use_qk_l2norm, scale, chunk)
-        o, states = run(c, initial_state[row].to(c.dtype).view(c.H, c.G, *initial_state.shape[2:]))
-        outputs.append(c.tokens(o).reshape(-1))
-        finals.append(states[-1].reshape(-1))
-        saved_states.append(states[:-1].reshape(-1))
-        saved_inverses.append(c.A_inv.reshape(-1))
-    return torch.cat(outputs + finals), [torch.cat(saved_states), torch.cat(saved_inverses)]
-
-
-def state_fake(q, v, chunk: int):
-    rows, length, value_heads, value_dim = v.shape
-    key_dim, chunks, dtype = q.shape[3], -(-length // chunk), compute_dtype(q)
-    out = q.new_empty(rows * value_heads * value_dim * (length + key_dim), dtype=dtype)
-    states = q.new_empty(rows * chunks * value_heads * key_dim * value_dim, dtype=dtype)
-    inverses = q.new_empty(rows * chunks * value_heads * chunk * chunk, dtype=dtype)
-    return out, [states, inverses]
-
-
-def state_backward(chunks_of, backward_of, grad_out, saved, q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale,
-                   chunk):
-    """The gradients of :func:`state_forward`'s inputs, row by row; ``backward_of(c, states, do, scale, d_final)``
-    returns a row's token gradients and that of its initial state."""
-    rows, length, value_heads, value_dim = v.shape
-    key_dim, chunks = q.shape[3], -(-length // chunk)
-    do, d_final = grad_out.split([rows * length * value_heads * value_dim, rows * value_heads * key_dim * value_dim])
-    do, d_final = do.view(rows, length, value_heads, value_dim), d_final.view(rows, value_heads, key_dim, value_dim)
-    states_per_row, inverses_per_row = (x.view(rows, -1) for x in saved)
-    grads, d_initial = [], []
-    for row in range(rows):
-        a_inv = saved_inverses(inverses_per_row[row], q[:1], v[:1], chunk)
-        c = _row_chunks(chunks_of, row, (q, k, v, g, beta), cu_seqlens, use_qk_l2norm, scale, chunk, a_inv)
-        states = states_per_row[row].view(chunks, c.H, c.G, key_dim, value_dim)
-        d_final_row = d_final[row].to(c.dtype).view(c.H, c.G, key_dim, value_dim)
-        row_grads, d_initial_row = backward_of(c, states, do[row : row + 1], scale, d_final_row)
-        grads.append(row_grads)
-        d_initial.append(d_initial_row.reshape(value_heads, key_dim, value_dim))
-    inputs = (q, k, v, g, beta)
-    grads = [torch.cat([row[i] for row in grads]).reshape(x.shape) for i, x in enumerate(inputs)]
-    return (*grads, torch.stack(d_initial))
-
-
-def _row_chunks(chunks_of, row, inputs, cu_seqlens, use_qk_l2norm, scale, chunk, a_inv=None):
-    bounds = row_boundaries(cu_seqlens, row, inputs[0].shape[1], chunk)
-    return chunks_of(*(x[row : row + 1] for x in inputs), bounds, use_qk_l2norm, scale, a_inv, reads_initial=True)
+# ``compilepack::gated_delta_rule_varlen_state`` (context parallelism over tokens): the shared row-by-row state path
+# (``_delta_rule/reference.py``) with this rule's chunks, run from a given state, and backward.
 
 
 def _run_state(c: _Chunks, initial: Tensor) -> tuple[Tensor, Tensor]:
     states = _chunk_start_states(c.u, c.w, c.k_out, c.carry, initial)  # one more: the final state
     return c.qe @ states[:-1] + c.attn @ (c.u - c.w @ states[:-1]), states
-
-
-def state_path(chunks_of, run, backward_of, chunk: int) -> Path:
-    """The ``*_varlen_state`` op's path for a delta rule: its chunk builder ``chunks_of``, its ``run`` from a
-    given state and its stateless ``backward_of`` (Gated DeltaNet's here, KDA's in kimi_delta_attention)."""
-
-    def forward(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, initial_state, use_qk_l2norm, scale):
-        return state_forward(chunks_of, run, q, k, v, g, beta, cu_seqlens, initial_state, use_qk_l2norm, scale, chunk)
-
-    def fake(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, initial_state, use_qk_l2norm, scale):
-        return state_fake(q, v, chunk)
-
-    def backward(grad_out, out, saved, needs_grad, q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, initial_state,
-                 use_qk_l2norm, scale):
-        return state_backward(chunks_of, backward_of, grad_out, saved, q, k, v, g, beta, cu_seqlens, use_qk_l2norm,
-                              scale, chunk)
-
-    return Path(forward=forward, backward=backward, fake=fake)
 
 
 PATH_STATE = state_path(_Chunks, _run_state, _backward, CHUNK)

@@ -18,10 +18,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ... import backends
-from .._chunked import check_delta_rule_inputs, define_delta_rule_op, run_delta_rule
-from .._scaffold import define_op
-from ..gated_delta_rule import run_state_op
+from .. import backends
+from .._delta_rule import define_delta_rule_op, define_delta_rule_state_op, run_delta_rule, run_delta_rule_state
 from . import fla, reference
 from .naive import kimi_delta_attention_naive
 
@@ -81,20 +79,12 @@ def kimi_delta_attention_varlen_state(
         o, final = kimi_delta_attention_varlen_state(q, k, v, g, beta, cu, torch.randn(1, 2, 16, 16))
         # o [1, 8, 2, 16], final [1, 2, 16, 16]
     """
-    check_delta_rule_inputs(q, k, v, g, beta, cu_seqlens, per_channel_decay=True)
-    return run_state_op(OP_STATE, q, k, v, g, beta, cu_seqlens, initial_state, use_qk_l2norm, scale, cu_seqlens_cpu,
-                        backend)
+    return run_delta_rule_state(
+        OP_STATE, q, k, v, g, beta, cu_seqlens, initial_state, use_qk_l2norm, scale, cu_seqlens_cpu, backend,
+        per_channel_decay=True,
+    )
 
 
-def _state_signature(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, cu_seqlens: Tensor, cu_seqlens_cpu: Tensor | None,
-    initial_state: Tensor, use_qk_l2norm: bool, scale: float, backend: str,
-): ...
-
-
-# one output, flat: the output then the final states (the scaffold's ops have one differentiable output)
-OP_STATE = define_op(
-    "compilepack::kimi_delta_attention_varlen_state", signature=_state_signature,
-    differentiable=("q", "k", "v", "g", "beta", "initial_state"), reference=reference.PATH_STATE,
-    kernels={"fla": fla.PATH_STATE}, kernel_applies=fla.state_applies, boundaries=("cu_seqlens", "cu_seqlens_cpu"),
+OP_STATE = define_delta_rule_state_op(
+    "compilepack::kimi_delta_attention_varlen_state", reference.PATH_STATE, fla.PATH_STATE, fla.state_applies
 )

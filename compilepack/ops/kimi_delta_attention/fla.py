@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ... import backends
+from .. import backends
 from .._fla import chunk_indices, flat_row, kernel_device, state_path
 from .._scaffold import Path
 

@@ -45,8 +45,8 @@ from .._chunked import (
     segmented_cumsum_backward,
     unit_lower_inverse,
 )
+from .._delta_rule.reference import state_path
 from .._scaffold import Path
-from ..gated_delta_rule.reference import state_path
 
 # Chunk and sub-chunk (exact for any values). Per head and token, the sub-chunk pair tensors cost SUB * K, the
 # links across sub-chunks (CHUNK / SUB) * K; the state loop runs T / CHUNK steps of three small calls. Measured on
@@ -287,9 +287,9 @@ PATH = Path(forward=forward, backward=backward, fake=fake)
 
 # ------------------------------------------------------------------------------------------------ with a state
 #
-# ``compilepack::kimi_delta_attention_varlen_state``: as the gated delta rule's (``gated_delta_rule/reference.py``):
-# each row's first document starts from ``initial_state[row]``, each row's last state is returned; rows run one at a
-# time, their chunk padding joining their last document (the row loops are the gated delta rule's).
+# ``compilepack::kimi_delta_attention_varlen_state``: the delta rules' shared row-by-row state path
+# (``_delta_rule/reference.py``): each row's first document starts from ``initial_state[row]``, each row's last
+# state is returned; rows run one at a time, their chunk padding joining their last document.
 
 
 def _run_state(c: _Chunks, initial: Tensor) -> tuple[Tensor, Tensor]:

@@ -12,7 +12,7 @@ Layout as mamba-ssm's ``mamba_chunk_scan_combined`` and transformers' ``mamba2_c
 
 ``compilepack::mamba2_chunk_scan_varlen_state``: the scan from a zero state with what adding an incoming state takes
 (each row's final state, the first document's decays): what context parallelism over tokens needs
-(``context_parallel.py``); on CUDA mamba-ssm's chunk scan with ``return_final_states`` (``mamba_ssm.py``).
+(``sharded.py``); on CUDA mamba-ssm's chunk scan with ``return_final_states`` (``mamba_ssm.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ... import backends
+from .. import backends
 from .._scaffold import define_op
 from . import mamba_ssm, reference
 from .naive import mamba2_chunk_scan_naive
@@ -142,18 +142,15 @@ def mamba2_chunk_scan_varlen_state(
     """
     _check_inputs(x, dt, A, B, C, chunk_size, D, dt_bias, seq_idx)
     dt_min, dt_max = (float(limit) for limit in dt_limit)
-    out, _ = OP_STATE(x, dt, A, B, C, seq_idx.to(torch.int32), D, dt_bias, chunk_size, bool(dt_softplus), dt_min,
-                      dt_max, backend)
-    batch, total, heads, head_dim = x.shape
-    sizes = [batch * total * heads * head_dim, batch * heads * head_dim * B.shape[3], batch * total * heads]
-    y, final, alpha = out.split(sizes)
-    return y.view(x.shape), final.view(batch, heads, head_dim, B.shape[3]), alpha.view(batch, total, heads)
+    y, final, alpha, _ = OP_STATE(x, dt, A, B, C, seq_idx.to(torch.int32), D, dt_bias, chunk_size, bool(dt_softplus),
+                                  dt_min, dt_max, backend)
+    return y, final, alpha
 
 
-# one output, flat: y, the final states, alpha (the scaffold's ops have one differentiable output)
 OP_STATE = define_op(
     "compilepack::mamba2_chunk_scan_varlen_state",
     signature=_signature,
+    outputs=("y", "final_state", "alpha"),
     differentiable=("x", "dt", "A", "B", "C", "D", "dt_bias"),
     reference=reference.PATH_STATE,
     kernels={"mamba_ssm": mamba_ssm.PATH_STATE},

@@ -28,7 +28,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ... import backends
+from .. import backends
 from .._scaffold import Path
 from . import reference
 
@@ -149,8 +149,9 @@ def _alpha_grads(d_alpha, dt, A, seq_idx, dt_bias, dt_softplus, dt_min, dt_max, 
 
 def forward_state(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max):
     if not fits_int32_offsets(x, B, chunk_size):
-        out, _ = reference.forward_state(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max)
-        return out, []
+        *outs, _ = reference.forward_state(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, dt_min,
+                                           dt_max)
+        return (*outs, [])
     ssd = backends.load(SSD_COMBINED)
     dtype = reference.scan_dtype(x, dt, A, B, C)
     y, final = ssd.mamba_chunk_scan_combined(
@@ -159,34 +160,31 @@ def forward_state(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, 
         dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max), return_final_states=True,
     )
     _, alpha = _first_document_decay(_processed_dt(dt, dt_bias, dt_softplus, dt_min, dt_max, dtype)[0], A, seq_idx)
-    return torch.cat([y.reshape(-1).to(dtype), final.reshape(-1).to(dtype), alpha.reshape(-1)]), []
+    return y.to(dtype), final.to(dtype).contiguous(), alpha, []
 
 
 def fake_state(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max):
-    out, _ = reference.fake_state(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max)
-    return out, []
+    *outs, _ = reference.fake_state(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max)
+    return (*outs, [])
 
 
-def backward_state(grad_out, out, saved, needs_grad, x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus,
-                   dt_min, dt_max):
+def backward_state(grad_y, d_final, d_alpha, out, saved, needs_grad, x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size,
+                   dt_softplus, dt_min, dt_max):
     inputs = (x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max)
     if not fits_int32_offsets(x, B, chunk_size):  # the reference's backward, from its own forward (recomputed)
-        out_reference, saved_reference = reference.forward_state(*inputs)
-        return reference.backward_state(grad_out, out_reference, saved_reference, needs_grad, *inputs)
-    batch, total, heads, head_dim = x.shape
-    sizes = [batch * total * heads * head_dim, batch * heads * head_dim * B.shape[3], batch * total * heads]
-    grad_y, d_final, d_alpha = grad_out.split(sizes)
+        y, *_, saved_reference = reference.forward_state(*inputs)
+        return reference.backward_state(grad_y, d_final, d_alpha, y, saved_reference, needs_grad, *inputs)
     ssd = backends.load(SSD_COMBINED)
     dx, ddt, dA, dB, dC, dD, _dz, ddt_bias, _dinitial = ssd._mamba_chunk_scan_combined_bwd(
-        grad_y.view(x.shape).to(x.dtype).contiguous(), x.contiguous(), dt.contiguous(), A.contiguous(),
+        grad_y.to(x.dtype).contiguous(), x.contiguous(), dt.contiguous(), A.contiguous(),
         # ``out``: without a gate z the library reads only its shape (2.3.2.post1), so x stands in: nothing is saved
         B.contiguous(), C.contiguous(), x, chunk_size, D=_contiguous(D), z=None, dt_bias=_contiguous(dt_bias),
-        initial_states=None, dfinal_states=d_final.view(batch, heads, head_dim, B.shape[3]).float().contiguous(),
+        initial_states=None, dfinal_states=d_final.float().contiguous(),
         seq_idx=seq_idx.to(torch.int32).contiguous(), dt_softplus=dt_softplus, dt_limit=(dt_min, dt_max),
     )
     dtype = reference.scan_dtype(x, dt, A, B, C)
-    ddt_alpha, dA_alpha, ddt_bias_alpha = _alpha_grads(d_alpha.view(batch, total, heads), dt, A, seq_idx, dt_bias,
-                                                       dt_softplus, dt_min, dt_max, dtype)
+    ddt_alpha, dA_alpha, ddt_bias_alpha = _alpha_grads(d_alpha, dt, A, seq_idx, dt_bias, dt_softplus, dt_min, dt_max,
+                                                       dtype)
     ddt = ddt + ddt_alpha
     dA = dA + dA_alpha
     ddt_bias = None if dt_bias is None else ddt_bias + ddt_bias_alpha

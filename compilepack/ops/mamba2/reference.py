@@ -308,14 +308,15 @@ PATH = Path(forward=forward, backward=backward, fake=fake)
 
 
 def forward_state(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max):
-    """``(out, saved)``: ``out`` flat in the compute dtype: ``y [b, T, H, P]`` (from a zero state), each row's state
-    after its last token ``[b, H, P, N]`` and ``alpha [b, T, H]``, the decay from each row's start to each token of
-    its first document (0 on the other tokens)."""
+    """``(y, final_state, alpha, saved)`` in the compute dtype: ``y [b, T, H, P]`` (from a zero state), each row's
+    state after its last token ``[b, H, P, N]`` and ``alpha [b, T, H]``, the decay from each row's start to each
+    token of its first document (0 on the other tokens)."""
     k = _Chunks(x, dt, A, B, C, seq_idx, dt_bias, chunk_size, dt_softplus, dt_min, dt_max, pad_continues=True)
     y, saved = _forward(k, x, D)
-    final = saved[1][:, -1]  # the last chunk's end state: the padding after the last token changes nothing
+    # the last chunk's end state (the padding after the last token changes nothing), copied: an output never aliases
+    final = saved[1][:, -1].clone(memory_format=torch.contiguous_format)
     _, alpha = _first_document_decay(k, seq_idx)
-    return torch.cat([y.view(-1), final.reshape(-1), alpha.view(-1)]), [t.contiguous().view(-1) for t in saved]
+    return y, final, alpha, [t.contiguous().view(-1) for t in saved]
 
 
 def _first_document_decay(k: _Chunks, seq_idx: Tensor) -> tuple[Tensor, Tensor]:
@@ -328,24 +329,22 @@ def _first_document_decay(k: _Chunks, seq_idx: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def fake_state(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max):
-    _y, saved = fake(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max)
+    y, saved = fake(x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus, dt_min, dt_max)
     batch, total, heads, head_dim = x.shape
-    size = batch * heads * (total * head_dim + head_dim * B.shape[3] + total)
-    return x.new_empty(size, dtype=scan_dtype(x, dt, A, B, C)), saved
+    dtype = scan_dtype(x, dt, A, B, C)
+    return y, x.new_empty(batch, heads, head_dim, B.shape[3], dtype=dtype), x.new_empty(batch, total, heads,
+                                                                                        dtype=dtype), saved
 
 
-def backward_state(grad_out, out, saved, needs_grad, x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size, dt_softplus,
-                   dt_min, dt_max):
-    batch, total, heads, head_dim = x.shape
-    sizes = [batch * total * heads * head_dim, batch * heads * head_dim * B.shape[3], batch * total * heads]
-    grad_y, d_final, d_alpha = grad_out.split(sizes)
+def backward_state(grad_y, d_final, d_alpha, out, saved, needs_grad, x, dt, A, B, C, seq_idx, D, dt_bias, chunk_size,
+                   dt_softplus, dt_min, dt_max):
     k = _Chunks(x, dt, A, B, C, seq_idx, dt_bias, chunk_size, dt_softplus, dt_min, dt_max, pad_continues=True)
     first, alpha = _first_document_decay(k, seq_idx)
     # alpha = exp(cumsum of the first document's log decays): each log decay gets the sum of the later d_alpha alpha
-    d_cumulative = d_alpha.view(alpha.shape) * alpha
+    d_cumulative = d_alpha * alpha
     d_log_decay = torch.where(first, d_cumulative.flip(1).cumsum(1).flip(1), 0)
-    return _backward(k, grad_y.view(x.shape), saved, x, B, D, dt_bias, dt_softplus, dt_min, dt_max,
-                     d_final=d_final.view(batch, heads, head_dim, B.shape[3]), d_log_decay_extra=d_log_decay)
+    return _backward(k, grad_y, saved, x, B, D, dt_bias, dt_softplus, dt_min, dt_max, d_final=d_final,
+                     d_log_decay_extra=d_log_decay)
 
 
 PATH_STATE = Path(forward=forward_state, backward=backward_state, fake=fake_state)

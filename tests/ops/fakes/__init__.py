@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from compilepack import backends
+from compilepack.ops import backends
 
 
 def route_kernels(monkeypatch: pytest.MonkeyPatch, backend: str, modules: dict) -> list[str]:

@@ -1,5 +1,5 @@
-"""The delta rules under context parallelism. Shared by the gated delta rule and Kimi delta attention (the
-functions take the op).
+"""The delta rules under context parallelism, shared by the gated delta rule and Kimi delta attention (the functions
+take the op; each rule's ``sharded.py`` binds its own).
 
 - Ulysses (head-parallel over the whole rows): value heads (with their ``g`` and ``beta``) are split in W slices
   between two all-to-alls; query/key heads split alike when W divides them, else each rank receives the one q/k
@@ -27,7 +27,6 @@ from torch import Tensor
 from ...distributed import scan
 from ...distributed.collectives import gather_heads, head_split, split_heads, split_read_heads
 from .._chunked import compute_dtype
-from . import gated_delta_rule_varlen, gated_delta_rule_varlen_state
 
 
 def head_parallel(
@@ -41,9 +40,6 @@ def head_parallel(
     q, k = (split_read_heads(x, cp, per_rank) for x in (q, k))
     v, g, beta = (split_heads(x, cp) for x in (v, g, beta))
     return gather_heads(varlen(q, k, v, g, beta, cu_seqlens, **op_kwargs), cp)
-
-
-gated_delta_rule_head_parallel = functools.partial(head_parallel, gated_delta_rule_varlen)
 
 
 def sequence_parallel(
@@ -70,7 +66,7 @@ def sequence_parallel(
     return o_from_zero + carried.to(o_from_zero.dtype)
 
 
-def context_parallel(
+def sharded(
     varlen: Callable, state_op: Callable, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     cu_seqlens: Tensor, *, cp, where: str, **op_kwargs,
 ) -> Tensor:
@@ -82,8 +78,3 @@ def context_parallel(
     if cp.heads is None:
         return over_tokens(q, k, v, g, beta, cu_seqlens, **op_kwargs)
     return head_parallel(over_tokens, q, k, v, g, beta, cu_seqlens, cp=cp.heads, where=where, **op_kwargs)
-
-
-gated_delta_rule_context_parallel = functools.partial(
-    context_parallel, gated_delta_rule_varlen, gated_delta_rule_varlen_state
-)

@@ -73,7 +73,7 @@ def causal_conv1d_sequence_parallel(
     return out.transpose(1, 2)[:, width:].contiguous().transpose(1, 2)
 
 
-def causal_conv1d_context_parallel(
+def causal_conv1d_sharded(
     x: Tensor, weight: Tensor, bias: Tensor | None, seq_idx: Tensor, activation: str | None, *, backend: str, cp,
 ) -> Tensor:
     """The conv under ``cp``'s layout: channel-parallel (Ulysses), over tokens (sequence), or channel-parallel

@@ -63,7 +63,7 @@ def mamba2_chunk_scan_sequence_parallel(
     return y + alpha[..., None] * torch.einsum("bthn,bhpn->bthp", C_per_head, incoming)
 
 
-def mamba2_chunk_scan_context_parallel(
+def mamba2_chunk_scan_sharded(
     x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, chunk_size: int, D: Tensor | None = None,
     dt_bias: Tensor | None = None, dt_softplus: bool = False, dt_limit: tuple[float, float] = (0.0, float("inf")),
     *, seq_idx: Tensor, backend: str, cp,

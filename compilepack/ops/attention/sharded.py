@@ -76,7 +76,7 @@ def varlen_attention_sequence_parallel(
     return out.view(rows, local, heads, -1)
 
 
-def varlen_attention_context_parallel(
+def varlen_attention_sharded(
     query: Tensor, key: Tensor, value: Tensor, cu_seqlens: Tensor, max_seqlen: int, *, global_length: int, cp,
     where: str, **op_kwargs,
 ) -> Tensor:

@@ -17,11 +17,12 @@ import importlib
 import importlib.metadata
 import importlib.util
 import sys
+import warnings
 from types import ModuleType
 
 from packaging.version import InvalidVersion, Version
 
-from .errors import KernelVersionError
+from ..errors import KernelVersionError
 
 REFERENCE = "reference"
 
@@ -29,7 +30,7 @@ REFERENCE = "reference"
 CANDIDATES: dict[str, tuple[str, ...]] = {
     "attention": ("flash_attn", "torch_varlen", REFERENCE),
     "conv": ("causal_conv1d", REFERENCE),
-    "gated_delta": ("fla", REFERENCE),
+    "delta_rule": ("fla", REFERENCE),  # the gated delta rule and Kimi delta attention
     "ssd": ("mamba_ssm", REFERENCE),
 }
 
@@ -97,24 +98,59 @@ def _without(kind: str, backend: str) -> str:
     return candidates[candidates.index(backend) + 1]
 
 
-@dataclasses.dataclass(frozen=True)
+# old names -> new names, accepted with a DeprecationWarning: op kinds in ``backend={...}``, ``Backends`` keywords
+DEPRECATED_KINDS = {"gated_delta": "delta_rule"}
+_DEPRECATED_FIELDS = {**DEPRECATED_KINDS, "context_parallel": "cp_group"}
+
+
+def _warn_renamed(old: str, new: str, where: str) -> None:
+    warnings.warn(f"{where}: {old!r} is deprecated, use {new!r}.", DeprecationWarning, stacklevel=3)
+
+
+@dataclasses.dataclass(frozen=True, init=False)
 class Backends:
-    """The backend of each op kind (a name from ``CANDIDATES``), used when the op's tensors are on CUDA."""
+    """The backend of each op kind (a name from ``CANDIDATES``), used when the op's tensors are on CUDA.
+
+    ``Backends(gated_delta=...)`` and ``Backends(context_parallel=...)`` (the old names of ``delta_rule`` and
+    ``cp_group``) still work, with a DeprecationWarning."""
 
     attention: str = REFERENCE
     conv: str = REFERENCE
-    gated_delta: str = REFERENCE
+    delta_rule: str = REFERENCE
     ssd: str = REFERENCE
     # compilepack.distributed.ContextParallel when patched with context_parallel=: every sequence mixer then runs
     # head-parallel between two all-to-alls over its group, over tokens, or both, as its mode says (None: no context
     # parallelism)
-    context_parallel: object = None
+    cp_group: object = None
+
+    def __init__(self, attention: str = REFERENCE, conv: str = REFERENCE, delta_rule: str = REFERENCE,
+                 ssd: str = REFERENCE, cp_group: object = None, **deprecated):
+        unknown = set(deprecated) - set(_DEPRECATED_FIELDS)
+        if unknown:
+            raise TypeError(f"Backends() got unexpected keywords {sorted(unknown)}.")
+        for old, value in deprecated.items():
+            _warn_renamed(old, _DEPRECATED_FIELDS[old], "Backends()")
+        delta_rule = deprecated.get("gated_delta", delta_rule)
+        cp_group = deprecated.get("context_parallel", cp_group)
+        for name, value in (("attention", attention), ("conv", conv), ("delta_rule", delta_rule), ("ssd", ssd),
+                            ("cp_group", cp_group)):
+            object.__setattr__(self, name, value)  # frozen
+
+    @property
+    def gated_delta(self) -> str:
+        _warn_renamed("gated_delta", "delta_rule", "Backends")
+        return self.delta_rule
+
+    @property
+    def context_parallel(self) -> object:
+        _warn_renamed("context_parallel", "cp_group", "Backends")
+        return self.cp_group
 
     def describe(self) -> str:
-        kinds = [f.name for f in dataclasses.fields(self) if f.name != "context_parallel"]
+        kinds = [f.name for f in dataclasses.fields(self) if f.name != "cp_group"]
         text = ", ".join(f"{kind}={getattr(self, kind)}" for kind in kinds)
-        if self.context_parallel is not None:
-            text += f", context_parallel={self.context_parallel.describe()}"
+        if self.cp_group is not None:
+            text += f", cp_group={self.cp_group.describe()}"
         return text
 
 
@@ -209,11 +245,11 @@ def resolve(backend: str | dict[str, str] | Backends = "auto") -> Backends:
         return Backends()
     overrides: dict[str, str] = {}
     if isinstance(backend, dict):
-        overrides = dict(backend)
+        overrides = {_current_kind(kind): name for kind, name in backend.items()}
     elif backend != "auto":
         raise ValueError(
             f"backend={backend!r} is not understood: expected 'auto', 'reference', a dict such as "
-            f"{{'attention': 'torch_varlen'}}, or a compilepack.backends.Backends."
+            f"{{'attention': 'torch_varlen'}}, or a compilepack.ops.backends.Backends."
         )
     chosen = {}
     for kind, candidates in CANDIDATES.items():
@@ -231,6 +267,14 @@ def resolve(backend: str | dict[str, str] | Backends = "auto") -> Backends:
     if overrides:
         raise ValueError(f"unknown op kinds in backend=: {sorted(overrides)}; expected {sorted(CANDIDATES)}.")
     return Backends(**chosen)
+
+
+def _current_kind(kind: str) -> str:
+    """An op kind of ``backend={...}``, its old name (``DEPRECATED_KINDS``) replaced with a DeprecationWarning."""
+    if kind in DEPRECATED_KINDS:
+        _warn_renamed(kind, DEPRECATED_KINDS[kind], "backend={...}")
+        return DEPRECATED_KINDS[kind]
+    return kind
 
 
 @functools.cache

@@ -12,7 +12,7 @@ sequence mixers see the whole row:
   sequence across the S = W / U groups; W = U x S. Rank ``s * U + u`` holds slice ``s * U + u`` of every row, so the
   batch is sharded exactly as in the other modes.
 
-Each op's wrappers live beside the op (``compilepack/ops/<op>/context_parallel.py``) and use the *global* boundaries
+Each op's wrappers live beside the op (``compilepack/ops/<op>/sharded.py``) and use the *global* boundaries
 (``cu_seqlens`` over the whole rows, ``seq_idx [R, T]``): host data every rank already has, so nothing about the
 boundaries is communicated.
 
@@ -234,9 +234,9 @@ def check_model(model, family, cp: ContextParallel) -> None:
     """Refuse, at ``patch()`` time, a model whose family or head counts Ulysses cannot split over its ranks
     (``cp.size``; the Ulysses size in the hybrid layout; no head count bounds the sequence mode). The ops check again
     at run time, including the conv channels and the conv window against the slice, which only the layers know. A
-    family's layers must call only replacements with a context-parallel path (``Replacement.context_parallel``)."""
+    family's layers must call only replacements with a context-parallel path (``Replacement.runs_sharded``)."""
     unsupported = sorted(
-        {r.global_name for needed in family.layers.values() for r in needed if not r.context_parallel}
+        {r.global_name for needed in family.layers.values() for r in needed if not r.runs_sharded}
     )
     if unsupported or family.boundary_calls:
         why = (
