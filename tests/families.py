@@ -28,6 +28,23 @@ def variants(family: Family) -> list[str]:
     return list(family.tiny)
 
 
+def mixers_of(family: Family) -> frozenset[str]:
+    """The transformers globals a family's layers have replaced: which sequence mixers it runs."""
+    return frozenset(r.global_name for needed in family.layers.values() for r in needed)
+
+
+def representatives() -> set[tuple[str, str]]:
+    """(family, variant) pairs the README's test command compiles: for every combination of mixers a family runs,
+    the first family (by name) with its default variant, and the headline families benchmarked at real widths
+    (Llama, Qwen3-Next, Qwen3.5, Bamba). The other families run the same ops wired otherwise: their compile tests
+    are the exhaustive matrix, marked ``slow`` (CI's stage after the README's command)."""
+    chosen = {}
+    for family in sorted(available_families(), key=lambda f: f.name):
+        chosen.setdefault(mixers_of(family), family)
+    headline = [family for family in available_families() if family.checkpoint is not None]
+    return {(family.name, variants(family)[0]) for family in [*chosen.values(), *headline]}
+
+
 def is_moe(family: Family, variant: str | None = None) -> bool:
     return family.tiny_model(variant).moe
 

@@ -12,7 +12,7 @@ import torch._dynamo.utils
 import compilepack
 from compilepack import testing
 from benchmarks.main import DEFAULT_FAMILIES
-from tests.families import GROUPED_MM_FALLBACK_BREAKS, available_families, is_moe, variants
+from tests.families import GROUPED_MM_FALLBACK_BREAKS, available_families, is_moe, representatives, variants
 from tests.models import build_pair, hf_batch, logits_alone, max_diff_packed_vs_alone, random_docs, varied_length_batches
 
 # documents longer than the mixers' chunk (64), 1-token documents, and ordinary ones
@@ -22,6 +22,13 @@ CASES = [
     pytest.param(family, variant, id=f"{family.name}-{variant}")
     for family in available_families()
     for variant in variants(family)
+]
+# The compile tests over every case are the exhaustive matrix: the README's command compiles one family per
+# combination of mixers and the headline families; CI's slow stage compiles the rest.
+COMPILE_CASES = [
+    pytest.param(*case.values, id=case.id,
+                 marks=() if (case.values[0].name, case.values[1]) in representatives() else pytest.mark.slow)
+    for case in CASES
 ]
 
 
@@ -77,7 +84,7 @@ def test_packed_gradients_equal_sum_over_documents(pairs, family, variant):
 
 
 @pytest.mark.parametrize("backward", [False, True], ids=["forward", "forward+backward"])
-@pytest.mark.parametrize("family, variant", CASES)
+@pytest.mark.parametrize("family, variant", COMPILE_CASES)
 def test_one_graph_no_breaks(pairs, family, variant, backward, request):
     if backward and GROUPED_MM_FALLBACK_BREAKS and is_moe(family, variant):
         request.applymarker(pytest.mark.xfail(strict=True, reason=(
@@ -93,7 +100,7 @@ def test_one_graph_no_breaks(pairs, family, variant, backward, request):
     assert (report.graphs, report.graph_breaks) == (1, 0), str(report)
 
 
-@pytest.mark.parametrize("family, variant", CASES)
+@pytest.mark.parametrize("family, variant", COMPILE_CASES)
 def test_compiles_once_over_varied_hf_batches_and_stays_correct(pairs, family, variant):
     """One aot_eager compile (fullgraph, dynamic) serves 10 batches of different lengths and document counts,
     and every compiled output equals the eager one; the first batch is also checked against each document alone."""
@@ -131,7 +138,7 @@ def test_compiles_once_with_float_attributes_specialized(pairs, family, variant)
     assert report.compiles == 1, str(report)
 
 
-@pytest.mark.parametrize("family, variant", CASES)
+@pytest.mark.parametrize("family, variant", COMPILE_CASES)
 def test_fixed_shape_collator_compiles_once_without_dynamic(pairs, family, variant):
     _, patched = pairs(family, variant)
     collate = compilepack.PackedCollator(128, fixed_shape=True, rows=2, max_docs=16)
