@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import compilepack
 from compilepack import BoundaryError
-from tests.families import available_families, variants
+from tests.families import available_families, representatives, variants
 from tests.models import build_pair, hf_batch, logits_alone, max_diff_packed_vs_alone, random_docs
 
 LENGTHS = [5, 3, 6, 2]  # 16 tokens: one row of 16, or two rows of 8 (5+3 | 6+2)
@@ -77,6 +77,9 @@ STATIC_RULES = {
 }
 
 FAMILIES = [pytest.param(f, variants(f)[0], id=f.name) for f in available_families()]
+# compiled, the families beyond one per combination of mixers (and the headline ones) are CI's slow stage
+COMPILED_FAMILIES = [pytest.param(*case.values, id=case.id,
+                                  marks=() if (case.values[0].name, case.values[1]) in representatives() else pytest.mark.slow) for case in FAMILIES]
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +112,7 @@ def test_every_broken_rule_is_refused_eager(models, family, variant):
             pytest.fail(f"{family.name}: a batch breaking '{rule}' ran")
 
 
-@pytest.mark.parametrize("family, variant", FAMILIES)
+@pytest.mark.parametrize("family, variant", COMPILED_FAMILIES)
 def test_every_broken_rule_is_refused_compiled(models, family, variant):
     """fullgraph and dynamic: the value rules are device asserts of the one graph (no recompile for them), the static
     ones are refused while tracing with the rule's message first. A host read of a boundary would break the graph,
