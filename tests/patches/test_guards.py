@@ -78,8 +78,11 @@ STATIC_RULES = {
 
 FAMILIES = [pytest.param(f, variants(f)[0], id=f.name) for f in available_families()]
 # compiled, the families beyond one per combination of mixers (and the headline ones) are CI's slow stage
-COMPILED_FAMILIES = [pytest.param(*case.values, id=case.id,
-                                  marks=() if (case.values[0].name, case.values[1]) in representatives() else pytest.mark.slow) for case in FAMILIES]
+COMPILED_FAMILIES = [
+    pytest.param(*case.values, id=case.id,
+                 marks=() if (case.values[0].name, case.values[1]) in representatives() else pytest.mark.slow)
+    for case in FAMILIES
+]
 
 
 @pytest.fixture(scope="module")
