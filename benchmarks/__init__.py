@@ -1,11 +1,11 @@
 """compilepack's benchmarks, run from a checkout: ``python -m benchmarks [command] [options]``.
 
-- ``train`` (the default command): stock vs patched training steps on the same documents (``main``), at the
+- ``train`` (the default command): stock vs patched training steps on the same documents (``train``), at the
   bench widths or, with ``--widths real``, at each family's released widths;
 - ``ops``: each sequence-mixing op alone (``ops/``);
 - ``long-rows``: a step's cost against the tokens per row (``long_rows``);
-- ``gpu-check``: the kernel paths on a lent GPU, one JSON (``gpu_check``; also ``python benchmarks/gpu_check.py``);
-- ``models-doc``: measure stock transformers per family and write docs/models.md (``models_doc``);
+- ``gpu-check``: the kernel paths on a lent GPU, one JSON (``python benchmarks/gpu_check.py``, the entry of
+  ``tools/gpu_check/``);
 - ``history``: rebuild the history table from result files (``history``).
 
 Inside: ``data`` makes the documents and batches, ``modes`` says how each mode batches, patches and compiles,

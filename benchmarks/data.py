@@ -18,7 +18,7 @@ import sysconfig
 import torch
 from transformers import DataCollatorWithFlattening
 
-from compilepack.collator import PackedCollator
+from compilepack import PackedCollator
 
 IGNORE_INDEX = -100
 

@@ -22,7 +22,7 @@ from benchmarks.worker import ModeSpec, measure_mode, summarize_rounds
 from benchmarks.__main__ import main
 import compilepack
 from compilepack.patching import family_named
-from tests.bench_helpers import FakeWorker, result_of
+from tests.benchmarks.bench_helpers import FakeWorker, result_of
 from tests.families import tiny_config
 
 TINY = modes.Workload(tokens_per_step=256, steps=2)
