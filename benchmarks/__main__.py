@@ -3,7 +3,6 @@ benchmark (``train``, the training-step benchmark, when no command is named)."""
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,3 +25,11 @@ def test_the_models_doc_generator_runs_as_a_script_from_tools():
     done = subprocess.run([sys.executable, "tools/models_doc.py", "--help"], capture_output=True, text=True, check=True,
                           cwd=ROOT)
     assert done.stdout.startswith("usage: python tools/models_doc.py") and "--write" in done.stdout
+
+
+def test_only_the_benchmarks_tests_import_the_benchmark():
+    """The library's tests stand alone: only tests/benchmarks/ imports benchmarks/ or tools/."""
+    imports = re.compile(r"^\s*(from|import)\s+(benchmarks|tools)\b", re.M)
+    offenders = [str(path.relative_to(ROOT)) for path in (ROOT / "tests").rglob("*.py")
+                 if "benchmarks" not in path.relative_to(ROOT / "tests").parts and imports.search(path.read_text())]
+    assert offenders == []
