@@ -68,7 +68,8 @@ def _probe_main(name: str, out: str) -> int:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python benchmarks/gpu_check.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="gpu_check.json")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--families", default=",".join(HEADLINE), help="comma list, or 'all'")
