@@ -13,8 +13,6 @@ import transformers
 
 from compilepack.patching import Family, families, family_named
 
-WIDTHS = ("bench", "real")
-
 
 def has_config(family: Family, widths: str) -> bool:
     return widths == "bench" or family.checkpoint is not None
