@@ -1,16 +1,19 @@
 """compilepack's benchmarks, run from a checkout: ``python -m benchmarks [command] [options]``.
 
-- ``train`` (the default command): stock vs patched training steps on the same documents (``main``), at the
+- ``train`` (the default command): stock vs patched training steps on the same documents (``train``), at the
   bench widths or, with ``--widths real``, at each family's released widths;
 - ``ops``: each sequence-mixing op alone (``ops/``);
-- ``long-rows``: a step's cost against the tokens per row (``long_rows``);
-- ``gpu-check``: the kernel paths on a lent GPU, one JSON (``gpu_check``; also ``python benchmarks/gpu_check.py``);
-- ``models-doc``: measure stock transformers per family and write docs/models.md (``models_doc``);
+- ``long-rows``: a step's cost against the tokens per row (``long_rows``); ``trainer-rows``: HF Trainer and
+  SFTTrainer steps at real vocabularies (``trainer_rows``); ``cp-memory``: peak memory per rank under context
+  parallelism (``cp_memory``); the three share ``sweep`` (options, child processes, the report's files);
+- ``gpu-check``: the kernel paths on a lent GPU, one JSON (``python benchmarks/gpu_check.py``, the entry of
+  ``tools/gpu_check/``);
 - ``history``: rebuild the history table from result files (``history``).
 
 Inside: ``data`` makes the documents and batches, ``modes`` says how each mode batches, patches and compiles,
 ``worker`` measures one mode (in its own process, see ``isolation``), ``rounds`` drives the paired rounds,
-``bars`` checks the bars, ``report`` writes JSON, markdown and the plot, ``history`` appends the history table.
+``bars`` checks the bars against the targets table of docs/benchmarks.md, ``report`` writes JSON, markdown and
+the plot, ``history`` appends the history table.
 Results: ``benchmarks/results/`` (the latest run of each kind, and ``history.csv``, a row per family and mode of
 every run); lab notes (dated measurements, what was tried): ``benchmarks/notes/``; the guide: docs/benchmarks.md.
 

@@ -1,19 +1,17 @@
-"""``python -m benchmarks [train|ops|long-rows|gpu-check|models-doc|history|trainer-rows|cp-memory] [options]``: one entry point for every
+"""``python -m benchmarks [train|ops|long-rows|trainer-rows|cp-memory|gpu-check|history] [options]``: one entry point for every
 benchmark (``train``, the training-step benchmark, when no command is named)."""
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 
 # command -> (module, what it does); each module has main(argv) -> exit code
 COMMANDS = {
-    "train": ("benchmarks.main", "training steps, stock vs patched (the default command)"),
+    "train": ("benchmarks.train", "training steps, stock vs patched (the default command)"),
     "ops": ("benchmarks.ops", "each sequence-mixing op alone"),
     "long-rows": ("benchmarks.long_rows", "a step's cost against the tokens per row"),
     "gpu-check": ("benchmarks.gpu_check", "the kernel paths on a GPU, one JSON"),
-    "models-doc": ("benchmarks.models_doc", "stock vs patched per family: docs/models.md"),
     "history": ("benchmarks.history", "rebuild benchmarks/results/history.csv from result files"),
     "trainer-rows": ("benchmarks.trainer_rows", "HF Trainer / SFTTrainer steps at real vocabularies, 4k-32k rows"),
     "cp-memory": ("benchmarks.cp_memory", "peak memory per rank under context parallelism, W = 1, 2, 4"),

@@ -13,8 +13,6 @@ import transformers
 
 from compilepack.patching import Family, families, family_named
 
-WIDTHS = ("bench", "real")
-
 
 def has_config(family: Family, widths: str) -> bool:
     return widths == "bench" or family.checkpoint is not None
@@ -31,6 +29,13 @@ def bench_config(family_name: str, widths: str = "bench") -> transformers.Pretra
         raise KeyError(f"no real-width config for family {family_name!r} (families with one: {have}); declare "
                        f"its Family.checkpoint in patches/{family_name}.py.")
     return family.checkpoint.config()
+
+
+def real_config(family_name: str) -> transformers.PretrainedConfig:
+    """The family's smallest release's widths (``Family.checkpoint``), no cache, as a trainer sets it."""
+    config = bench_config(family_name, "real")
+    config.use_cache = False
+    return config
 
 
 def build_bench_model(family_name: str) -> torch.nn.Module:

@@ -23,17 +23,15 @@ Writes ``cp-memory-cpu-<date>.json``, ``.md`` and ``.png`` to ``benchmarks/resul
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
-import os
 import pathlib
-import subprocess
 import sys
 import tempfile
 import time
 
-from .history import RESULTS
+from . import sweep
+from .configs import real_config
+from .measure import load_average
 
 FAMILIES = ("qwen3_5", "bamba")
 ROWS = (8192, 16384, 32768)
@@ -46,41 +44,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         _child(json.loads(args.child))
         return 0
-    started, load = time.monotonic(), os.getloadavg()[0]
+    started, load = time.monotonic(), load_average()
     points = []
     for family in args.families.split(","):
         for head in args.heads.split(","):
-            for tokens in map(int, args.rows.split(",")):
-                for world in map(int, args.worlds.split(",")):
+            for tokens in sweep.numbers(args.rows):
+                for world in sweep.numbers(args.worlds):
                     point = {"family": family, "tokens": tokens, "world": world, "head": head, "docs": args.docs}
                     points.append({**point, **_run_point(point, args.memory_limit, args.point_timeout)})
                     print(_line(points[-1]), flush=True)
-    report = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "settings": vars(args),
-              "load_avg": {"start": load, "end": os.getloadavg()[0]}, "cpus": os.cpu_count(),
-              "wall_s": round(time.monotonic() - started, 1), "measurements": points}
-    out = pathlib.Path(args.out)
-    stem = f"cp-memory-cpu-{datetime.date.today().isoformat()}"
-    earlier = out / f"{stem}.json"
-    if args.append and earlier.exists():
-        previous = json.loads(earlier.read_text())
-        report["measurements"] = previous["measurements"] + points
-    write(report, out, stem)
+    out, stem = pathlib.Path(args.out), f"cp-memory-cpu-{sweep.today()}"
+    report = sweep.report_of(args, started, load, measurements=points)
+    if args.append:
+        report = sweep.with_earlier(report, out, stem)
+    sweep.write(report, out, stem, markdown, None if args.no_plot else draw)
     return 0
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks cp-memory", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated (default: %(default)s)")
-    parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="tokens per row (default: %(default)s)")
+def _parser():
+    parser = sweep.parser("cp-memory", __doc__, families=FAMILIES, rows=ROWS, memory_limit=18.0, point_timeout=1800.0)
     parser.add_argument("--worlds", default=",".join(map(str, WORLDS)), help="processes (default: %(default)s)")
     parser.add_argument("--heads", default=",".join(HEADS), help="stock, chunked (default: %(default)s)")
     parser.add_argument("--docs", type=int, default=8, help="documents per packed row (default: 8)")
-    parser.add_argument("--memory-limit", type=float, default=18.0, help="GB of RSS, all ranks together")
-    parser.add_argument("--point-timeout", type=float, default=1800.0, help="seconds per point at most")
-    parser.add_argument("--out", default=str(RESULTS), help="output directory (default: benchmarks/results)")
-    parser.add_argument("--append", action="store_true", help="add these points to today's earlier run")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
     return parser
 
 
@@ -90,58 +75,27 @@ def _parser() -> argparse.ArgumentParser:
 def _run_point(point: dict, limit_gb: float, timeout: float) -> dict:
     """One point in its own ``torchrun`` (or one process at W = 1), stopped past ``limit_gb`` of RSS summed over its
     processes; the largest rank's figures, or why there are none."""
-    import psutil
-
     with tempfile.TemporaryDirectory() as folder:
-        child = {**point, "out": folder}
-        command = [sys.executable, "-m", "benchmarks.cp_memory", "--child", json.dumps(child)]
+        child = ["-m", "benchmarks.cp_memory", "--child", json.dumps({**point, "out": folder})]
         if point["world"] > 1:
-            command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                       f"--nproc_per_node={point['world']}", "-m", "benchmarks.cp_memory", "--child", json.dumps(child)]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        stopped, started = _watch(psutil.Process(process.pid), process, limit_gb, timeout)
-        output = process.communicate()[0]
+            child = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={point['world']}", *child]
+        stopped, returncode, output = sweep.run_child([sys.executable, *child], limit_gb, timeout,
+                                                      env={"OMP_NUM_THREADS": "1"})
         if stopped is not None:
-            what = "out of memory" if time.monotonic() - started < timeout else "timed out"
-            total, largest = stopped
-            return {"status": what, "stopped_at_gb": round(total / 1e9, 2),
-                    "stopped_at_rank_gb": round(largest / 1e9, 2), "limit_gb": limit_gb}
+            return stopped
         ranks = [json.loads(p.read_text()) for p in sorted(pathlib.Path(folder).glob("rank-*.json"))]
-    if process.returncode != 0 or len(ranks) != point["world"]:
-        oom = "allocate" in output or "out of memory" in output.lower()
-        return {"status": "out of memory" if oom else "failed", "error": output.strip().splitlines()[-1:]}
+    if returncode != 0 or len(ranks) != point["world"]:
+        return sweep.failure(returncode, output)
     largest = max(ranks, key=lambda rank: rank["peak_gb"])
     return {"status": "ok", **largest, "step_s": max(rank["step_s"] for rank in ranks),
             "predicted_mixers_gb": _predicted_gb(point)}
-
-
-def _watch(process, child, limit_gb: float, timeout: float) -> tuple[tuple[int, int] | None, float]:
-    """Poll the process tree's summed RSS; kill the tree past the limit or the timeout (then the summed RSS and the
-    largest process's, else None)."""
-    import psutil
-
-    started = time.monotonic()
-    while child.poll() is None:
-        try:
-            tree = [process, *process.children(recursive=True)]
-            sizes = [p.memory_info().rss for p in tree]
-        except psutil.NoSuchProcess:
-            continue
-        if sum(sizes) > limit_gb * 1e9 or time.monotonic() - started > timeout:
-            for p in reversed(tree):
-                p.kill()
-            child.wait()
-            return (sum(sizes), max(sizes)), started
-        time.sleep(0.2)
-    return None, started
 
 
 def _predicted_gb(point: dict) -> float:
     """The cost model's mixers' activations per rank (fp32), summed over the model's layers."""
     from compilepack.distributed.cost import Cluster, mixer_memory, mixers_of
 
-    config = _config(point["family"])
+    config = real_config(point["family"])
     fp32 = Cluster(activation_bytes=4)
     return round(sum(mixer_memory(m, "sequence", point["world"], point["tokens"], cluster=fp32)
                      for m in mixers_of(config)) / 1e9, 3)
@@ -150,21 +104,13 @@ def _predicted_gb(point: dict) -> float:
 def _line(point: dict) -> str:
     head = f"{point['family']:<8} T={point['tokens']:>6} W={point['world']} {point['head']:<8}"
     if point["status"] != "ok":
-        return (f"{head} {point['status']} {point.get('stopped_at_gb', '')} {point.get('stopped_at_rank_gb', '')} "
+        return (f"{head} {point['status']} {point.get('peak_gb', '')} {point.get('stopped_at_rank_gb', '')} "
                 f"{point.get('error', '')}")
     return (f"{head} peak {point['peak_gb']:.2f} GB (model {point['model_gb']:.2f}, predicted mixers "
             f"{point['predicted_mixers_gb']:.2f}) step {point['step_s']:.1f} s")
 
 
 # ------------------------------------------------------------------------------------------------ one rank
-
-
-def _config(family_name: str):
-    from compilepack.patching import family_named
-
-    config = family_named(family_name).checkpoint.config()
-    config.use_cache = False
-    return config
 
 
 def _child(point: dict) -> None:
@@ -178,7 +124,7 @@ def _child(point: dict) -> None:
     torch.set_num_threads(1)
     world = point["world"]
     lm_head = "chunked" if point["head"] == "chunked" else None
-    model = transformers.AutoModelForCausalLM.from_config(_config(point["family"])).train()
+    model = transformers.AutoModelForCausalLM.from_config(real_config(point["family"])).train()
     cp = None
     if world > 1:
         from compilepack.distributed import ContextParallel
@@ -186,10 +132,10 @@ def _child(point: dict) -> None:
         dist.init_process_group("gloo")
         cp = ContextParallel.sequence_parallel(dist.group.WORLD)
     compilepack.patch(model, context_parallel=cp, lm_head=lm_head)
-    model_gb = _peak_gb()
+    model_gb = sweep.vm_hwm_gb()
     started = time.monotonic()
     _step(model, _batch(point, model.config.get_text_config().vocab_size), cp)
-    result = {"rank": dist.get_rank() if cp else 0, "peak_gb": _peak_gb(), "model_gb": model_gb,
+    result = {"rank": dist.get_rank() if cp else 0, "peak_gb": sweep.vm_hwm_gb(), "model_gb": model_gb,
               "step_s": round(time.monotonic() - started, 1)}
     pathlib.Path(point["out"], f"rank-{result['rank']}.json").write_text(json.dumps(result))
     if cp is not None:
@@ -221,22 +167,7 @@ def _step(model, batch: dict, cp) -> None:
     torch.optim.SGD(model.parameters(), lr=1e-5).step()
 
 
-def _peak_gb() -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return round(int(line.split()[1]) * 1024 / 1e9, 2)
-    return float("nan")
-
-
 # ------------------------------------------------------------------------------------------------ the report
-
-
-def write(report: dict, out: pathlib.Path, stem: str) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=1))
-    (out / f"{stem}.md").write_text(markdown(report))
-    draw(report, out / f"{stem}.png")
 
 
 def markdown(report: dict) -> str:
@@ -246,7 +177,8 @@ def markdown(report: dict) -> str:
         start = f"| {p['family']} | {p['tokens']:,} | {p['world']} | {p['head']} |"
         if p["status"] != "ok":
             largest = f"; largest rank {p['stopped_at_rank_gb']} GB" if "stopped_at_rank_gb" in p else ""
-            stopped = f" (stopped at {p['stopped_at_gb']} GB, all ranks{largest})" if "stopped_at_gb" in p else ""
+            at = p.get("stopped_at_gb", p.get("peak_gb"))  # runs before 2026-12-05 named it stopped_at_gb
+            stopped = f" (stopped at {at} GB, all ranks{largest})" if at is not None else ""
             lines.append(f"{start} {p['status']}{stopped} | | | | |")
             continue
         lines.append(f"{start} {p['peak_gb']:.2f} | {p['model_gb']:.2f} | {p['peak_gb'] - p['model_gb']:.2f} | "
@@ -256,27 +188,14 @@ def markdown(report: dict) -> str:
 
 def draw(report: dict, path: pathlib.Path) -> None:
     """Peak memory per rank against W, one line per family, head and row length."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(7, 4.5))
-    series: dict[tuple, list] = {}
+    series = {}
     for p in report["measurements"]:
         if p["status"] == "ok":
-            series.setdefault((p["family"], p["head"], p["tokens"]), []).append((p["world"], p["peak_gb"]))
-    for (family, head, tokens), values in sorted(series.items()):
-        worlds, peaks = zip(*sorted(values))
-        axis.plot(worlds, peaks, marker="o", label=f"{family}, {head} head, {tokens // 1024}k tokens")
-    axis.set(xlabel="ranks W (sequence mode, gloo, CPU)", ylabel="peak memory per rank (GB)", xticks=list(WORLDS),
-             title="Per-rank peak memory of one training step, smallest released widths")
-    axis.set_ylim(bottom=0)
-    axis.grid(alpha=0.3)
-    axis.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
+            label = f"{p['family']}, {p['head']} head, {p['tokens'] // 1024}k tokens"
+            series.setdefault(label, []).append((p["world"], p["peak_gb"]))
+    sweep.panels(path, "Per-rank peak memory of one training step, smallest released widths",
+                 [{"series": series, "ylabel": "peak memory per rank (GB)", "logx": False,
+                   "xlabel": "ranks W (sequence mode, gloo, CPU)"}], size=(7, 4.5))
 
 
 if __name__ == "__main__":

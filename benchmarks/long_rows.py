@@ -15,14 +15,13 @@ Writes ``long-rows-<device>-<date>.json``, ``.md`` and ``.png`` (tokens/s and pe
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import pathlib
 import statistics
 import time
 
-from .history import RESULTS
+from . import sweep
+from .measure import load_average
 
 ROWS = (4096, 16384, 65536)
 
@@ -34,43 +33,26 @@ def main(argv: list[str] | None = None) -> int:
     can_plot = dependencies.check(plot=not args.no_plot)
     if args.replot:
         return _replot(pathlib.Path(args.replot), can_plot)
-    rows = [int(text) for text in args.rows.split(",")]
-    started, load_start = time.monotonic(), _load()
+    started, load_start = time.monotonic(), load_average()
     points = []
     for family in args.model.split(","):
-        for tokens in rows:
+        for tokens in sweep.numbers(args.rows):
             points += _measure_point(args, family.strip(), tokens)
             print(_point_line(points[-2:]), flush=True)
-    report = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"), "settings": vars(args),
-        "load_avg": {"start": load_start, "end": _load()}, "wall_s": round(time.monotonic() - started, 1),
-        "points": points, **_versions(),
-    }
+    report = sweep.report_of(args, started, load_start, points=points)
     allocator = "" if args.allocator == "keep" else f"{args.allocator}-"
-    write(report, pathlib.Path(args.out), f"long-rows-cpu-{allocator}{datetime.date.today().isoformat()}", can_plot)
+    write(report, pathlib.Path(args.out), f"long-rows-cpu-{allocator}{sweep.today()}", can_plot)
     return 0
 
 
 def write(report: dict, out: pathlib.Path, stem: str, can_plot: bool = True) -> None:
     """The sweep's JSON, markdown and plot; its rows appended to the history table; older sweeps of its kind
-    removed from ``out`` (the folder keeps the latest run of each kind)."""
-    from . import history
-
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / f"{stem}.md").write_text(markdown(report))
-    if can_plot:
-        plot(report, out / f"{stem}.png")
-    print(markdown(report))
-    print(f"wrote {out / stem}.json, .md" + (", .png" if can_plot else ""))
-    print(history.record(report, out, stem))
+    removed from ``out``."""
+    sweep.write(report, out, stem, markdown, plot if can_plot else None, history=True)
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks long-rows", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="qwen3_5", help="comma-separated families (default: qwen3_5)")
-    parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="tokens per row (default: 4096,16384,65536)")
+def _parser():
+    parser = sweep.parser("long-rows", __doc__, families=("qwen3_5",), rows=ROWS, family_option="--model")
     parser.add_argument("--doc-len", type=int, default=256, help="tokens per equal document (default: 256)")
     parser.add_argument("--padded-max", type=int, default=16384,
                         help="largest row stock padded runs on (default: 16384; ~5x the tokens in padding)")
@@ -81,8 +63,6 @@ def _parser() -> argparse.ArgumentParser:
                         help="keep: freed memory stays in each worker for reuse (as on a GPU); system: glibc's "
                              "defaults, which page-fault every block over 32 MB at every step (default: keep)")
     parser.add_argument("--step-timeout", type=float, default=900.0, help="seconds per timed round at most")
-    parser.add_argument("--out", default=str(RESULTS), help="output directory (default: benchmarks/results)")
-    parser.add_argument("--no-plot", action="store_true", help="write no PNG")
     parser.add_argument("--replot", metavar="JSON", help="only rewrite the .md and .png of a saved run's JSON")
     return parser
 
@@ -158,7 +138,7 @@ def _compare(args, family: str, tokens: int, documents: str, modes: tuple[str, .
             "n_docs": len(lengths), "median_len": statistics.median(lengths), "modes": figures,
             "speedup": round(statistics.median(ratios), 3) if ratios else None,
             "speedup_range": [round(min(ratios), 3), round(max(ratios), 3)] if ratios else None,
-            "ratios": [round(r, 3) for r in ratios], "load_avg": _load()}
+            "ratios": [round(r, 3) for r in ratios], "load_avg": load_average()}
 
 
 # ------------------------------------------------------------------------------------------------ outputs
@@ -214,72 +194,28 @@ def _mb(f: dict) -> str:
 
 
 def plot(report: dict, path: pathlib.Path) -> None:
-    """Two panels against tokens per row (log x): tokens/s (whiskers: min-max of the rounds) and peak memory."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, (speed, ratio, memory) = plt.subplots(1, 3, figsize=(16, 4.8))
-    series = {}
+    """Three panels against tokens per row (log x): tokens/s (whiskers: min-max of the rounds), patched over stock
+    paired per round (whiskers their range; 1 = parity) and peak memory."""
+    speed, memory, ratio, styles = {}, {}, {}, {}
     for p in report["points"]:
+        style = "-" if p["documents"] == "equal" else "--"
         for mode, f in (p.get("modes") or {}).items():
             if f.get("tokens_per_s"):
-                series.setdefault((p["family"], p["documents"], mode), []).append((p["tokens"], f))
-    for (family, documents, mode), values in series.items():
-        xs = [x for x, _ in values]
-        ys = [f["tokens_per_s"] for _, f in values]
-        spread = [[y - f["tokens_per_s_min"] for y, (_, f) in zip(ys, values)],
-                  [f["tokens_per_s_max"] - y for y, (_, f) in zip(ys, values)]]
-        label = f"{family} {mode} ({documents})"
-        style = "-" if documents == "equal" else "--"
-        speed.errorbar(xs, ys, yerr=spread, fmt="o" + style, capsize=3, label=label)
-        memory.plot(xs, [f["peak_mem_mb"] for _, f in values], "o" + style, label=label)
-    _plot_ratios(ratio, report["points"])
-    for axes, ylabel in ((speed, "real tokens / s (training step)"), (ratio, "patched / stock tokens/s (paired rounds)"),
-                         (memory, "peak memory, MB (RSS above baseline)")):
-        axes.set_xscale("log", base=2)
-        axes.set_xlabel("tokens per row (per step)")
-        axes.set_ylabel(ylabel)
-        axes.grid(True, which="both", alpha=0.3)
-    memory.set_yscale("log")
-    speed.set_yscale("log")
-    speed.legend(fontsize=7)
-    ratio.legend(fontsize=7)
-    figure.suptitle(f"compilepack long rows, cpu, {report['date']} ({report['settings']['widths']} widths)")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-
-
-def _plot_ratios(axes, points: list[dict]) -> None:
-    """Patched over stock per point: the median of the paired rounds, whiskers their range; 1 = parity."""
-    series = {}
-    for p in points:
+                label = f"{p['family']} {mode} ({p['documents']})"
+                styles[label] = style
+                speed.setdefault(label, []).append((p["tokens"], f["tokens_per_s"], f["tokens_per_s_min"],
+                                                    f["tokens_per_s_max"]))
+                memory.setdefault(label, []).append((p["tokens"], f["peak_mem_mb"]))
         if p.get("speedup"):
-            series.setdefault((p["family"], p["documents"]), []).append(p)
-    for (family, documents), values in series.items():
-        xs = [p["tokens"] for p in values]
-        ys = [p["speedup"] for p in values]
-        spread = [[y - p["speedup_range"][0] for y, p in zip(ys, values)],
-                  [p["speedup_range"][1] - y for y, p in zip(ys, values)]]
-        stock = "grouped" if documents == "equal" else "padded"
-        axes.errorbar(xs, ys, yerr=spread, fmt="o-" if documents == "equal" else "o--", capsize=3,
-                      label=f"{family}: patched / stock {stock} ({documents})")
-    axes.axhline(1.0, color="grey", linewidth=0.8)
-
-
-def _load():
-    from .measure import load_average
-
-    return load_average()
-
-
-def _versions() -> dict:
-    import torch
-    import transformers
-
-    return {"torch": torch.__version__, "transformers": transformers.__version__}
+            stock = "grouped" if p["documents"] == "equal" else "padded"
+            label = f"{p['family']}: patched / stock {stock} ({p['documents']})"
+            styles[label] = style
+            ratio.setdefault(label, []).append((p["tokens"], p["speedup"], *p["speedup_range"]))
+    sweep.panels(path, f"compilepack long rows, cpu, {report['date']} ({report['settings']['widths']} widths)", [
+        {"series": speed, "styles": styles, "ylabel": "real tokens / s (training step)", "logy": True},
+        {"series": ratio, "styles": styles, "ylabel": "patched / stock tokens/s (paired rounds)", "hline": 1.0},
+        {"series": memory, "styles": styles, "ylabel": "peak memory, MB (RSS above baseline)", "logy": True},
+    ], size=(16, 4.8))
 
 
 if __name__ == "__main__":

@@ -200,21 +200,15 @@ def _workload_line(workload: dict) -> str:
     )
 
 
+def _row_cells(r: dict, diff: str, issue: str) -> list[str]:
+    """A mode's cells, in the markdown table's and the console table's column order."""
+    return [r["family"], r["mode"], tokens_cell(r), *(_speedup_cell(r, base) for base in RATIO_BASES),
+            compile_cell(r), _graphs(r), cell(r.get("compiles"), "{}"), cell(r.get("peak_mem_mb"), "{:.0f}"), diff,
+            cell(r.get("padding_frac"), "{:.0%}"), issue]
+
+
 def _markdown_row(r: dict) -> str:
-    cells = [
-        r["family"],
-        r["mode"],
-        tokens_cell(r),
-        *(_speedup_cell(r, base) for base in RATIO_BASES),
-        compile_cell(r),
-        _graphs(r),
-        cell(r.get("compiles"), "{}"),
-        cell(r.get("peak_mem_mb"), "{:.0f}"),
-        _diff(r),
-        cell(r.get("padding_frac"), "{:.0%}"),
-        _issue(r),
-    ]
-    return "| " + " | ".join(cells) + " |"
+    return "| " + " | ".join(_row_cells(r, _diff(r), _issue(r))) + " |"
 
 
 def _bar_row(bar: dict) -> str:
@@ -300,13 +294,7 @@ def print_console(report: dict) -> None:
         table.add_column(column, no_wrap=True)
     table.add_column("error / note", overflow="fold", min_width=24)
     for r in report["results"]:
-        table.add_row(
-            r["family"], r["mode"], tokens_cell(r),
-            *(_speedup_cell(r, base) for base in RATIO_BASES),
-            compile_cell(r), _graphs(r), cell(r.get("compiles"), "{}"),
-            cell(r.get("peak_mem_mb"), "{:.0f}"), cell(r.get("max_logit_diff"), "{:.1e}"),
-            cell(r.get("padding_frac"), "{:.0%}"), escape(_issue(r)[:60]),
-        )
+        table.add_row(*_row_cells(r, cell(r.get("max_logit_diff"), "{:.1e}"), escape(_issue(r)[:60])))
     console = Console(width=max(Console().width, 200))  # a narrow or piped terminal would fold every cell
     console.print(table)
     console.print("tok/s and ratios: median over the timed rounds [min-max], ratios paired per round. "

@@ -24,17 +24,16 @@ of this kind removed). The points are under ``measurements`` (not ``points``: ``
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
 import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import time
 
-from .history import RESULTS
+from . import sweep
+from .configs import real_config
+from .measure import load_average
 
 FAMILIES = ("qwen3_5", "qwen3_next", "bamba")
 ROWS = (4096, 8192, 16384, 32768)
@@ -50,11 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print("RESULT " + json.dumps(_child(json.loads(args.child))), flush=True)
         return 0
-    started, load_start = time.monotonic(), os.getloadavg()[0]  # other work on the machine slows every point
+    started, load_start = time.monotonic(), load_average()  # other work on the machine slows every point
     points = []
     for trainer in args.trainers.split(","):
         for family in args.families.split(","):
-            for tokens in map(int, args.rows.split(",")):
+            for tokens in sweep.numbers(args.rows):
                 for mode in args.modes.split(","):
                     if trainer == "sft" and mode == "chunked":
                         continue  # SFTTrainer's head is already chunked (TRL's, routed when patched)
@@ -62,27 +61,17 @@ def main(argv: list[str] | None = None) -> int:
                              "docs": args.docs, "warmup": args.warmup, "steps": args.steps, "compile": args.compile}
                     points.append({**point, **_run_point(point, args.memory_limit, args.point_timeout)})
                     print(_line(points[-1]), flush=True)
-    report = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "settings": vars(args),
-              "load_avg": {"start": load_start, "end": os.getloadavg()[0]},
-              "wall_s": round(time.monotonic() - started, 1), "measurements": points, **_versions()}
-    stem = f"trainer-rows-cpu-{datetime.date.today().isoformat()}"
-    earlier = pathlib.Path(args.out) / f"{stem}.json"
-    if args.append and earlier.exists():  # today's earlier sweep, extended by this one (its settings kept per run)
-        previous = json.loads(earlier.read_text())
-        report["runs"] = previous.get("runs", [previous["settings"]]) + [report["settings"]]
-        report["measurements"] = previous.get("measurements", previous.get("points", [])) + points
-        report["load_avg"] = {"runs": previous.get("load_avg", {}).get("runs", [previous.get("load_avg")])
-                              + [report["load_avg"]]}
-        report["wall_s"] = round(previous.get("wall_s", 0) + report["wall_s"], 1)
-    write(report, pathlib.Path(args.out), stem, not args.no_plot)
+    out, stem = pathlib.Path(args.out), f"trainer-rows-cpu-{sweep.today()}"
+    report = sweep.report_of(args, started, load_start, measurements=points)
+    if args.append:  # today's earlier sweep, extended by this one (its settings kept per run)
+        report = sweep.with_earlier(report, out, stem)
+    sweep.write(report, out, stem, markdown, None if args.no_plot else draw)
     return 0
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks trainer-rows", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated (default: %(default)s)")
-    parser.add_argument("--rows", default=",".join(map(str, ROWS)), help="tokens per row (default: %(default)s)")
+def _parser():
+    parser = sweep.parser("trainer-rows", __doc__, families=FAMILIES, rows=ROWS, memory_limit=21.0,
+                          point_timeout=3600.0)
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated (default: %(default)s)")
     parser.add_argument("--trainers", default=",".join(TRAINERS), help="hf, sft (default: %(default)s)")
     parser.add_argument("--docs", type=int, default=8, help="documents per packed row (default: 8)")
@@ -90,43 +79,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=1, help="timed steps (default: 1)")
     parser.add_argument("--compile", action="store_true",
                         help="torch_compile=True (inductor, fullgraph, dynamic): time only, no per-part split")
-    parser.add_argument("--memory-limit", type=float, default=21.0, help="GB of RSS per point (default: 21)")
-    parser.add_argument("--point-timeout", type=float, default=3600.0, help="seconds per point at most")
-    parser.add_argument("--out", default=str(RESULTS), help="output directory (default: benchmarks/results)")
-    parser.add_argument("--append", action="store_true",
-                        help="add these points to today's earlier sweep instead of replacing it")
-    parser.add_argument("--no-plot", action="store_true")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
     return parser
 
 
-# ------------------------------------------------------------------------------------------------ the parent
-
-
 def _run_point(point: dict, limit_gb: float, timeout: float) -> dict:
-    """Run one point in a child process, stopping it past ``limit_gb`` of RSS; its result, or why there is none."""
-    import psutil
-
+    """Run one point in a child process, stopped past ``limit_gb`` of RSS; its result, or why there is none."""
     command = [sys.executable, "-m", "benchmarks.trainer_rows", "--child", json.dumps(point)]
-    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"})
-    process, peak, started = psutil.Process(child.pid), 0, time.monotonic()
-    while child.poll() is None:
-        try:
-            peak = max(peak, process.memory_info().rss)
-        except psutil.NoSuchProcess:
-            break
-        if peak > limit_gb * 1e9 or time.monotonic() - started > timeout:
-            child.kill()
-            child.wait()
-            what = "out of memory" if peak > limit_gb * 1e9 else "timed out"
-            return {"status": what, "peak_gb": round(peak / 1e9, 2), "limit_gb": limit_gb}
-        time.sleep(0.2)
-    out, err = child.communicate()
-    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-    if child.returncode != 0 or not lines:
-        oom = "can't allocate memory" in err or "out of memory" in err.lower() or child.returncode == -9
-        return {"status": "out of memory" if oom else "failed", "error": err.strip().splitlines()[-1:] or [""]}
+    stopped, returncode, output = sweep.run_child(command, limit_gb, timeout)
+    if stopped is not None:
+        return stopped
+    lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
+    if returncode != 0 or not lines:
+        return sweep.failure(returncode, output)
     return json.loads(lines[-1][len("RESULT "):])
 
 
@@ -154,7 +118,7 @@ def _child(point: dict) -> dict:
         trainer.train()
     except RuntimeError as error:
         if "allocate" in str(error) or "out of memory" in str(error).lower():
-            return {"status": "out of memory", "error": str(error).splitlines()[0], "peak_gb": _peak_gb()}
+            return {"status": "out of memory", "error": str(error).splitlines()[0], "peak_gb": sweep.vm_hwm_gb()}
         raise
     steps = timer.steps[point["warmup"]:]
     seconds = statistics.median(s["step"] for s in steps)
@@ -164,7 +128,7 @@ def _child(point: dict) -> dict:
     shares = {} if point["compile"] else {
         part: round(statistics.median(s[part] for s in steps) / seconds, 3) for part in PARTS}
     return {"status": "ok", "step_s": round(seconds, 2), "tokens_per_s": round(point["tokens"] / seconds, 1),
-            "peak_gb": _peak_gb(), "model_gb": round(model_gb, 2), "shares": shares,
+            "peak_gb": sweep.vm_hwm_gb(), "model_gb": round(model_gb, 2), "shares": shares,
             "loss": [round(x, 5) for x in timer.losses], **(graphs if point["compile"] else {})}
 
 
@@ -172,12 +136,8 @@ def _model(point: dict):
     import transformers
 
     import compilepack
-    from compilepack.patching import family_named
 
-    family = family_named(point["family"])
-    config = family.checkpoint.config()
-    config.use_cache = False
-    model = transformers.AutoModelForCausalLM.from_config(config).train()
+    model = transformers.AutoModelForCausalLM.from_config(real_config(point["family"])).train()
     if point["mode"] == "patched":
         compilepack.patch(model)
     elif point["mode"] == "chunked":
@@ -235,14 +195,6 @@ def _tokenizer():
     tokenizer = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(8)}, unk_token="t1"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="t0", unk_token="t1", eos_token="t2")
-
-
-def _peak_gb() -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return round(int(line.split()[1]) * 1024 / 1e9, 2)
-    return float("nan")
 
 
 class _Timer:
@@ -341,22 +293,6 @@ class _Timer:
 # ------------------------------------------------------------------------------------------------ the report
 
 
-def write(report: dict, out: pathlib.Path, stem: str, plot: bool = True) -> None:
-    from .history import keep_latest
-
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / f"{stem}.md").write_text(markdown(report))
-    if plot:
-        try:
-            draw(report, out / f"{stem}.png")
-        except ImportError:
-            print("matplotlib is not installed: no plot")
-    print(markdown(report))
-    removed = keep_latest(out, stem)
-    print(f"wrote {out / stem}.json, .md, .png" + (f"; removed the older {', '.join(removed)}" if removed else ""))
-
-
 def markdown(report: dict) -> str:
     lines = [
         f"Trainer steps at real widths, one packed row ({report['date']}, torch {report.get('torch')}, transformers "
@@ -382,31 +318,21 @@ def markdown(report: dict) -> str:
 
 
 def draw(report: dict, path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, (memory, speed) = plt.subplots(1, 2, figsize=(11, 4))
-    series = {}
+    """Peak memory (x: out of memory, at the limit) and tokens/s against the tokens per row, a line per series."""
+    memory, speed, crosses = {}, {}, {}
     for p in report["measurements"]:
-        series.setdefault((p["trainer"], p["family"], p["mode"], bool(p.get("compile"))), []).append(p)
-    for (trainer, family, mode, compiled), points in sorted(series.items()):
-        ok = sorted((p for p in points if p["status"] == "ok"), key=lambda p: p["tokens"])
-        label = f"{trainer} {family} {mode}" + (", compiled" if compiled else "")
-        line, = memory.plot([p["tokens"] for p in ok], [p["peak_gb"] for p in ok], marker="o", label=label)
-        oom = [p for p in points if p["status"] == "out of memory"]
-        memory.scatter([p["tokens"] for p in oom], [p.get("limit_gb") or p.get("peak_gb") for p in oom], marker="x",
-                       color=line.get_color())
-        speed.plot([p["tokens"] for p in ok], [p["tokens_per_s"] for p in ok], marker="o", label=label)
-    for axis, title in ((memory, "peak resident memory (GB); x: out of memory"), (speed, "tokens / s")):
-        axis.set_xscale("log", base=2)
-        axis.set_xlabel("tokens per packed row")
-        axis.set_title(title)
-        axis.grid(alpha=0.3)
-    memory.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
+        label = f"{p['trainer']} {p['family']} {p['mode']}" + (", compiled" if p.get("compile") else "")
+        memory.setdefault(label, [])
+        speed.setdefault(label, [])
+        if p["status"] == "ok":
+            memory[label].append((p["tokens"], p["peak_gb"]))
+            speed[label].append((p["tokens"], p["tokens_per_s"]))
+        elif p["status"] == "out of memory":
+            crosses.setdefault(label, []).append((p["tokens"], p.get("limit_gb") or p.get("peak_gb")))
+    sweep.panels(path, "", [
+        {"series": memory, "crosses": crosses, "ylabel": "peak resident memory (GB); x: out of memory",
+         "xlabel": "tokens per packed row"},
+        {"series": speed, "ylabel": "tokens / s", "xlabel": "tokens per packed row"}])
 
 
 def _command(settings: dict) -> str:
@@ -417,20 +343,6 @@ def _arguments(settings: dict) -> str:
     keys = ("families", "rows", "modes", "trainers", "steps", "warmup")
     text = " ".join(f"--{k} {settings[k]}" for k in keys if k in settings)
     return text + (" --compile" if settings.get("compile") else "") + (" --append" if settings.get("append") else "")
-
-
-def _versions() -> dict:
-    import torch
-    import transformers
-
-    try:
-        import trl
-
-        trl_version = trl.__version__
-    except ImportError:
-        trl_version = None
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "trl": trl_version,
-            "cores": os.cpu_count()}
 
 
 if __name__ == "__main__":

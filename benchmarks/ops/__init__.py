@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
-import json
 import pathlib
 import pkgutil
 import statistics
@@ -29,9 +28,10 @@ import sys
 
 import torch
 
-from .. import history
+from .. import sweep
 from ..history import RESULTS
 from ..markdown import cell
+from ..measure import synchronizer
 from ._common import alternating_ms
 
 
@@ -41,15 +41,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     _quiet_transformers()
     rows = [_bench_op(module, args) for module in op_modules(args.ops)]
-    report = _report(args, rows)
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     stem = f"ops-{args.device.split(':')[0]}-{datetime.date.today().isoformat()}"
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / f"{stem}.md").write_text(markdown(report))
-    print(markdown(report))
-    print(f"wrote {out / stem}.json, .md")
-    print(history.record(report, out, stem))  # the op as the family, each implementation as a mode
+    # the history gets the op as the family, each implementation as a mode
+    sweep.write(_report(args, rows), pathlib.Path(args.out), stem, markdown, history=True)
     return 0
 
 
@@ -91,7 +85,7 @@ def _bench_op(module, args) -> dict:
     row = {"op": module.NAME, "T": args.T, "n_docs": args.n_docs, "error": None}
     try:
         case = module.setup(T=args.T, n_docs=args.n_docs, device=args.device, seed=args.seed)
-        sync = _synchronizer(args.device)
+        sync = synchronizer(torch.device(args.device))
         row.update(_timed_passes(case, sync, args))
         row["max_abs_diff"] = _max_abs_diff(case)
         if args.batched:
@@ -155,12 +149,6 @@ def _max_abs_diff(case: dict) -> float | None:
     if stock.numel() != packed.numel():
         return None
     return float((stock.reshape(packed.shape).float() - packed.float()).abs().max())
-
-
-def _synchronizer(device: str):
-    if device.startswith("cuda"):
-        return torch.cuda.synchronize
-    return lambda: None
 
 
 def _quiet_transformers() -> None:

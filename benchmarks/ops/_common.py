@@ -64,35 +64,20 @@ def delta_rule_case(
     return equal_lengths_case(case, lambda: stock(equal_docs), equal_docs is not None)
 
 
-def alternating_ms(
-    run: Callable[[str], object], warmup: int, repeats: int, *, sync: Callable[[], object] = lambda: None,
-    clock: Callable[[], float] = time.perf_counter, swap: bool = False,
-) -> dict[str, list[float]]:
+def alternating_ms(run: Callable[[str], object], warmup: int, repeats: int, *,
+                   sync: Callable[[], object] = lambda: None) -> dict[str, list[float]]:
     """Milliseconds of ``run("stock")`` and ``run("packed")``, one after the other in every round, so load from other
-    processes hits both alike: ``warmup`` untimed rounds, then ``repeats`` timed ones. With ``swap`` the one that
-    goes first alternates between rounds (packed first in round 0)."""
+    processes hits both alike: ``warmup`` untimed rounds, then ``repeats`` timed ones."""
     times = {name: [] for name in NAMES}
     for repeat in range(warmup + repeats):
-        for name in NAMES if not swap or repeat % 2 else NAMES[::-1]:
+        for name in NAMES:
             sync()
-            start = clock()
+            start = time.perf_counter()
             run(name)
             sync()
             if repeat >= warmup:
-                times[name].append((clock() - start) * 1e3)
+                times[name].append((time.perf_counter() - start) * 1e3)
     return times
-
-
-def with_fresh_grads(case: dict, run: Callable) -> Callable[[str], None]:
-    """For :func:`alternating_ms`: ``run(case[name])`` with the inputs' gradients cleared first (no accumulation into
-    the previous ones)."""
-
-    def run_fresh(name: str) -> None:
-        for tensor in case["inputs"]:
-            tensor.grad = None
-        run(case[name])
-
-    return run_fresh
 
 
 def medians(times: dict[str, list[float]]) -> tuple[float, float, float]:

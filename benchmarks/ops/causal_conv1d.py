@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import alternating_ms, as_rows, doc_lengths_of, equal_lengths_case, medians, seq_idx_of
+from ._common import as_rows, doc_lengths_of, equal_lengths_case, seq_idx_of
 
 NAME = "causal_conv1d"
 
@@ -45,21 +45,3 @@ def setup(
     case = {"stock": stock, "packed": packed, "inputs": [x, weight, bias],
             "batched_as_packed": lambda out: out.movedim(0, 1).flatten(1)[None]}
     return equal_lengths_case(case, batched, equal_lengths)
-
-
-def _main() -> None:
-    """Stock vs packed on 2 threads (alternating, see ``alternating_ms``); the ratio is the median of the
-    per-repeat ratios."""
-    torch.set_num_threads(2)
-    for dim in (512, 1024):
-        case = setup(dim=dim)
-        grad = torch.randn(1, dim, 2048)  # [B, D, T]-contiguous: the op transposes it (a model's grad is not)
-        modes = {"fwd": lambda fn: torch.no_grad()(fn)(), "fwd+bwd": lambda fn: fn().backward(grad)}
-        for mode, run in modes.items():
-            stock, packed, ratio = medians(alternating_ms(lambda name: run(case[name]), warmup=3, repeats=21))
-            print(f"D={dim} T=2048 16 docs W=4 silu {mode:8s} stock {stock:6.2f} ms  packed {packed:6.2f} ms  "
-                  f"packed/stock {ratio:.2f}x")
-
-
-if __name__ == "__main__":
-    _main()

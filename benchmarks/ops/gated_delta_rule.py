@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._common import alternating_ms, cu_seqlens_of, delta_rule_case, doc_lengths_of, medians
+from ._common import cu_seqlens_of, delta_rule_case, doc_lengths_of
 
 NAME = "gated_delta_rule"
 
@@ -33,26 +33,3 @@ def setup(
     inputs = [x.to(device).requires_grad_() for x in (q, k, v, g, beta)]
     return delta_rule_case(torch_chunk_gated_delta_rule, gated_delta_rule_varlen, inputs, cu_seqlens, device,
                            n_docs if equal_lengths else None)
-
-
-def _main() -> None:
-    """Stock vs packed on 2 threads (alternating, see ``alternating_ms``); the ratio is the median of the
-    per-repeat ratios."""
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()  # the stock function warns once that fla is not installed
-    torch.set_num_threads(2)
-    for heads, dim in (((4, 8), 64), ((4, 4), 128)):
-        case = setup(num_k_heads=heads[0], num_v_heads=heads[1], head_dim=dim)
-        grad = torch.randn(1, 2048, heads[1], dim)
-        modes = {"fwd": lambda fn: torch.no_grad()(fn)(), "fwd+bwd": lambda fn: fn().backward(grad)}
-        for mode, run in modes.items():
-            stock, packed, ratio = medians(alternating_ms(lambda name: run(case[name]), warmup=2, repeats=12))
-            print(
-                f"H={heads[0]} HV={heads[1]} K=V={dim} T=2048 16 docs {mode:8s} stock {stock:7.1f} ms  "
-                f"packed {packed:7.1f} ms  packed/stock {ratio:.2f}x"
-            )
-
-
-if __name__ == "__main__":
-    _main()

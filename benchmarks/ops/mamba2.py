@@ -10,15 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import (
-    alternating_ms,
-    as_rows,
-    doc_lengths_of,
-    equal_lengths_case,
-    medians,
-    seq_idx_of,
-    with_fresh_grads,
-)
+from ._common import as_rows, doc_lengths_of, equal_lengths_case, seq_idx_of
 
 NAME = "mamba2"
 
@@ -60,24 +52,3 @@ def setup(
 
     case = {"stock": stock, "packed": packed, "inputs": inputs}
     return equal_lengths_case(case, lambda: stock(n_docs), equal_lengths)
-
-
-def _main() -> None:
-    """Stock vs packed on 2 threads (alternating, which one first too, see ``alternating_ms``); each number is a
-    median over repeats, the ratio the median of per-repeat ratios."""
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()  # the stock functions warn once that mamba-ssm is not installed
-    torch.set_num_threads(2)
-    cases = [(f"scan chunk {c}", setup(chunk_size=c)) for c in (64, 256)]
-    for label, case in cases:
-        grad = torch.randn_like(case["stock"]().detach())
-        modes = {"fwd": lambda fn: fn(), "fwd+bwd": lambda fn: fn().backward(grad)}
-        for mode, run in modes.items():
-            times = alternating_ms(with_fresh_grads(case, run), warmup=2, repeats=7, swap=True)
-            stock, packed, ratio = medians(times)
-            print(f"{label:>14} {mode:>8}: stock {stock:7.1f} ms  packed {packed:7.1f} ms  ratio {ratio:.2f}")
-
-
-if __name__ == "__main__":
-    _main()

@@ -8,7 +8,7 @@ mamba-ssm is absent: one Python step per token) runs on the packed row without b
 baseline). Its backward is slow: each token's ``discrete_A[:, :, t]`` / ``deltaB_u[:, :, t]`` read puts a
 full-size zero-filled gradient buffer into autograd, so one stock forward+backward at T=2048 takes 1.5-3.5
 minutes on 2 CPU cores (measured); time this op with few repeats (``python -m benchmarks ops --ops
-selective_scan --repeats 3 --warmup 1``, or ``python -m benchmarks.ops.selective_scan 3 fwd+bwd``).
+selective_scan --repeats 3 --warmup 1``).
 """
 
 from __future__ import annotations
@@ -17,15 +17,7 @@ import math
 
 import torch
 
-from ._common import (
-    alternating_ms,
-    as_rows,
-    doc_lengths_of,
-    equal_lengths_case,
-    medians,
-    seq_idx_of,
-    with_fresh_grads,
-)
+from ._common import as_rows, doc_lengths_of, equal_lengths_case, seq_idx_of
 
 NAME = "selective_scan"
 
@@ -64,30 +56,3 @@ def setup(
     case = {"stock": stock, "packed": packed, "inputs": inputs,
             "batched_as_packed": lambda out: out.movedim(0, 1).flatten(1)[None]}
     return equal_lengths_case(case, lambda: stock(n_docs), equal_lengths)
-
-
-def _main() -> None:
-    """Stock vs packed on 2 threads (alternating, which one first too, see ``alternating_ms``); each number is a
-    median over repeats, the ratio the median of per-repeat ratios."""
-    import sys
-
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()  # the stock function warns once that mamba-ssm is not installed
-    torch.set_num_threads(2)
-    repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 9
-    only = sys.argv[2] if len(sys.argv) > 2 else None  # "fwd" or "fwd+bwd"
-    case = setup()
-    grad = torch.randn_like(case["stock"]().detach())
-    modes = {"fwd": lambda fn: fn(), "fwd+bwd": lambda fn: fn().backward(grad)}
-    for mode, run in modes.items():
-        if only is not None and mode != only:
-            continue
-        times = alternating_ms(with_fresh_grads(case, run), warmup=1, repeats=repeats - 1, swap=True)
-        stock, packed, ratio = medians(times)
-        print(f"selective scan T=2048 16 docs {mode:>8}: stock {stock:7.1f} ms  packed {packed:7.1f} ms  "
-              f"ratio {ratio:.2f}", flush=True)
-
-
-if __name__ == "__main__":
-    _main()

@@ -1,16 +1,13 @@
 """``python -m compilepack``: ``check MODEL`` (is packing exact and compile-clean for a model?) and ``explain
-<family>`` (stock next to patched). ``bench`` is kept as a pointer to the benchmark, which lives in the checkout's
-``benchmarks/`` package (``python -m benchmarks``), not in the library."""
+<family>`` (stock next to patched). The benchmark is not here: it is the checkout's ``benchmarks/`` package
+(``python -m benchmarks``, docs/benchmarks.md)."""
 
 from __future__ import annotations
 
 import argparse
 import copy
-import os
 import random
-import subprocess
 import sys
-from pathlib import Path
 
 import torch
 
@@ -31,11 +28,6 @@ def main(argv: list[str] | None = None) -> int:
              "as TRL's LoRA recipe trains them; the forward is counted in train mode, as a trainer compiles it")
     explain_parser.set_defaults(run=_explain_command)
 
-    bench_parser = commands.add_parser(
-        "bench", help="deprecated: the benchmark is `python -m benchmarks` in a checkout (see docs/benchmarks.md)",
-        add_help=False)
-    bench_parser.set_defaults(run=_bench_command)
-
     check_parser = commands.add_parser(
         "check", help="is packing exact and compile-clean for this model? (see docs/checking.md)",
         description="Packed == each document alone, isolation, one graph / one compile, bf16, refusal of bad "
@@ -45,30 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     add_check_arguments(check_parser)
     check_parser.set_defaults(run=_check_command)
 
-    args, rest = parser.parse_known_args(argv)
-    if rest and args.command != "bench":
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    args.rest = rest
+    args = parser.parse_args(argv)
     return args.run(args)
-
-
-# the checkout this package was imported from, when it was (an editable install, or run from the repository)
-CHECKOUT = Path(__file__).resolve().parents[1]
-
-
-def _bench_command(args) -> int:
-    """The deprecation path of ``python -m compilepack bench``: from a checkout, run ``python -m benchmarks`` with
-    the same options (a child process: the library never imports its benchmark); from an installed wheel, which
-    does not ship the benchmark, say where it lives."""
-    if not (CHECKOUT / "benchmarks" / "__main__.py").is_file():
-        print("compilepack bench: the benchmark is not part of the installed package. It lives in the benchmarks/ "
-              "folder of the compilepack repository: from a checkout, pip install -e '.[bench]' && python -m "
-              "benchmarks (docs/benchmarks.md).", file=sys.stderr)
-        return 2
-    print("compilepack bench is deprecated: run `python -m benchmarks` from the checkout (same options).",
-          file=sys.stderr, flush=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(CHECKOUT), os.environ.get("PYTHONPATH")]))}
-    return subprocess.call([sys.executable, "-m", "benchmarks", "train", *args.rest], env=env)
 
 
 def _check_command(args) -> int:

@@ -1,14 +1,14 @@
 """The imbalance table of docs/context-parallel-evidence.md: arrival-order dealing against
 ``compilepack.distributed.BalancedBatchSampler`` on the benchmark's document mix (20 000 documents).
 
-    python -m benchmarks.probes.balance
+    python -m tools.probes.balance
 """
 
 from __future__ import annotations
 
 from compilepack.distributed import imbalance_report
 
-from ..data import LengthMix
+from benchmarks.data import LengthMix
 
 
 def main() -> None:

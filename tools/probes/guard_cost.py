@@ -1,6 +1,6 @@
 """What the patched model's boundary guards cost: time per training step with and without them, eager and compiled.
 
-    python -m benchmarks.probes.guard_cost [--family llama] [--tokens 2048] [--docs 16] [--reps 20]
+    python -m tools.probes.guard_cost [--family llama] [--tokens 2048] [--docs 16] [--reps 20]
 
 The same model and batch run with compilepack's guards as shipped and with them switched off (the guard functions
 replaced by no-ops for the measurement only), alternating step by step so outside load hits both alike; the

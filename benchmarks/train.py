@@ -404,16 +404,11 @@ def _workload_summary(workload) -> dict:
 def _write(report: dict, out: pathlib.Path, stem: str, can_plot: bool = True) -> None:
     """The run's JSON, markdown and plot; its rows appended to the history table; older runs of its kind removed
     from ``out`` (the latest run of each kind is what the folder keeps)."""
-    from . import history
-    from .report import markdown, plot, print_console, write_json
+    from .report import markdown, plot, print_console
+    from .sweep import write
 
-    write_json(report, out / f"{stem}.json")
-    (out / f"{stem}.md").write_text(markdown(report))
-    if can_plot:
-        plot(report, out / f"{stem}.png")
-    print_console(report)
-    print(f"wrote {out / stem}.json, .md" + (", .png" if can_plot else " (no .png: matplotlib is not installed, or --no-plot)"))
-    print(history.record(report, out, stem))
+    write(report, out, stem, markdown, plot if can_plot else None, history=True, show=print_console,
+          no_plot=" (no .png: matplotlib is not installed, or --no-plot)")
 
 
 def _device_label(device: str) -> str:

@@ -14,7 +14,6 @@ from transformers import DataCollatorWithFlattening
 
 import compilepack
 from compilepack.ops import backends
-from compilepack.batch.derived import seq_idx_from_cu_seqlens
 from compilepack.ops import (
     causal_conv1d_varlen,
     gated_delta_rule_varlen,
@@ -25,7 +24,7 @@ from compilepack.ops import (
 
 HEADLINE = ["llama", "qwen3_next", "qwen3_5", "bamba"]
 COLLATE = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)
-SCRIPT = Path(__file__).resolve().parents[1] / "gpu_check.py"  # the long-row probes run it in child processes
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"  # the long-row probes run it in child processes
 KERNEL_BACKENDS = ("flash_attn", "torch_varlen", "causal_conv1d", "fla", "mamba_ssm")
 # largest error against the fp32 reference, relative to the largest fp32 entry, accepted per dtype
 TOLERANCE = {torch.bfloat16: 5e-2, torch.float16: 1e-2, torch.float32: 1e-4, torch.float64: 1e-8}
@@ -69,8 +68,10 @@ def cu_of(lengths, device):
 
 
 def seq_idx_of(lengths, device, rows=1):
-    """Document index per token, ``[rows, T / rows]``, as the patch derives it (a zero-length document leaves a gap)."""
-    return seq_idx_from_cu_seqlens(cu_of(lengths, device), sum(lengths)).view(rows, -1)
+    """Document index per token, ``[rows, T / rows]``, numbered as the patch numbers them (a zero-length document
+    takes no tokens and leaves a gap in the numbering)."""
+    counts = torch.tensor(lengths, device=device)
+    return torch.repeat_interleave(torch.arange(len(lengths), device=device, dtype=torch.int32), counts).view(rows, -1)
 
 
 def as_padding(tokens, lengths, layout):

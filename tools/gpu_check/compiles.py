@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM
 
 import compilepack
 
-from ..configs import bench_config
-from ..worker import stock_path
+from benchmarks.configs import bench_config
+from benchmarks.worker import stock_path
 from .common import COLLATE, guarded, max_err, op_cases, run_op, synchronize, usable_backends
 from .ops import kernel_paths
 

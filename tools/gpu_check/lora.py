@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 import compilepack
 
-from ..configs import bench_config
+from benchmarks.configs import bench_config
 from .common import guarded, max_err
 from .compiles import batch_of, documents_of
 

@@ -8,11 +8,11 @@ import sys
 from pathlib import Path
 
 from benchmarks import gpu_check
-from benchmarks.gpu import common, compiles, long_rows
+from tools.gpu_check import common, compiles, long_rows
 from benchmarks.worker import build_model, stock_path
 from compilepack.patching import family_named
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
 OPS = {"varlen_attention", "causal_conv1d_varlen", "gated_delta_rule_varlen", "kimi_delta_attention_varlen",
        "mamba2_chunk_scan_varlen"}
 

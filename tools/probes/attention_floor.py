@@ -15,7 +15,7 @@ backward, ms per 8192 real tokens):
 - ``heads_first``: the whole row transposed to ``[heads, T, dim]`` once, then per-document calls on contiguous
   head slices (the transposes included, the output's way back to ``[T, heads, dim]`` not).
 
-Run: ``OMP_NUM_THREADS=2 python -m benchmarks.probes.attention_floor`` (about a minute on 2 cores).
+Run: ``OMP_NUM_THREADS=2 python -m tools.probes.attention_floor`` (about a minute on 2 cores).
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
 """The benchmark's other runs and tools on small models (seconds, not a measurement): real widths and long rows,
-the results folder and its history table, the entry points (python -m benchmarks, the deprecated
-python -m compilepack bench)."""
+the results folder and its history table, the entry point (python -m benchmarks)."""
 
 from __future__ import annotations
 
@@ -15,9 +14,8 @@ from benchmarks import bars, history, modes
 from benchmarks.rounds import run_family
 from benchmarks.worker import ModeSpec, measure_mode
 from benchmarks.__main__ import main
-from compilepack import cli
 from compilepack.patching import family_named
-from tests.bench_helpers import FakeWorker, result_of
+from tests.benchmarks.bench_helpers import FakeWorker, result_of
 from tests.families import tiny_config
 
 TINY = modes.Workload(tokens_per_step=256, steps=2)
@@ -37,7 +35,7 @@ def test_real_width_configs_are_their_checkpoints_widths_at_one_layer_of_each_ki
 
     import compilepack
     from benchmarks.configs import bench_config
-    from benchmarks.main import resolve_families
+    from benchmarks.train import resolve_families
 
     expected = {  # family: (hidden, vocabulary, layer kinds, parameters in millions)
         "llama": (2048, 128256, 1, 323), "qwen3_next": (2048, 151936, 2, 746),
@@ -132,7 +130,7 @@ def test_the_default_reports_a_known_stock_compile_failure_without_running_it():
     assert compiled["status"] == "n/a" and "InductorError" in compiled["detail"]
 
 
-MEASURE_PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "measure.py"
+MEASURE_PATH = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "measure.py"
 
 
 def test_keep_freed_memory_stops_the_page_faults_of_large_blocks():
@@ -228,22 +226,6 @@ def test_a_long_rows_sweep_appends_its_rows_and_keeps_only_the_latest_sweep(tmp_
 
 
 # ------------------------------------------------------------------------------------------------ entry points
-
-
-def test_compilepack_bench_is_a_deprecated_pointer_to_python_m_benchmarks(tmp_path, monkeypatch, capsys):
-    """From a checkout, ``python -m compilepack bench`` says the new command in one line and runs it with the same
-    options (a child process: the library does not import its benchmark); from an installed wheel, which has no
-    benchmarks/ folder beside the package, it says where the benchmark lives and exits 2."""
-    import subprocess
-
-    done = subprocess.run([sys.executable, "-m", "compilepack", "bench", "--help"], capture_output=True, text=True,
-                          cwd=tmp_path, check=True)
-    assert done.stderr.strip().splitlines() == [
-        "compilepack bench is deprecated: run `python -m benchmarks` from the checkout (same options)."]
-    assert done.stdout.startswith("usage: python -m benchmarks") and "--widths" in done.stdout
-    monkeypatch.setattr(cli, "CHECKOUT", tmp_path)  # as installed: no benchmarks/ beside the package
-    assert cli.main(["bench", "--model", "llama"]) == 2
-    assert "benchmarks/ folder of the compilepack repository" in capsys.readouterr().err
 
 
 def test_python_m_benchmarks_runs_each_command_and_names_them(capsys):

@@ -18,7 +18,7 @@ def test_a_point_past_the_memory_limit_is_reported_out_of_memory(monkeypatch):
              "steps": 1, "compile": False}
     # a limit the point passes early (Qwen3.5-0.8B widths: the weights alone are 1.2 GB), so the test stays short
     result = trainer_rows._run_point(point, limit_gb=0.5, timeout=300)
-    assert result["status"] == "out of memory" and result["peak_gb"] > 0.5, result
+    assert result["status"] == "out of memory" and result["peak_gb"] >= 0.5, result  # stopped past 0.5, rounded
     report = {"date": "today", "settings": {"families": "qwen3_5", "rows": "4096"}, "measurements": [
         {**point, **result},
         {**point, "mode": "chunked", "status": "ok", "tokens_per_s": 12.5, "peak_gb": 6.1,

@@ -22,7 +22,7 @@ from benchmarks.worker import ModeSpec, measure_mode, summarize_rounds
 from benchmarks.__main__ import main
 import compilepack
 from compilepack.patching import family_named
-from tests.bench_helpers import FakeWorker, result_of
+from tests.benchmarks.bench_helpers import FakeWorker, result_of
 from tests.families import tiny_config
 
 TINY = modes.Workload(tokens_per_step=256, steps=2)
@@ -494,3 +494,17 @@ def test_without_matplotlib_the_run_skips_the_plot_warns_and_exits_0(tmp_path, m
     assert "pip install matplotlib" in printed and "no .png" in printed
     (json_path,) = tmp_path.glob("cpu-*.json")
     assert json_path.with_suffix(".md").exists() and not json_path.with_suffix(".png").exists()
+
+
+def test_the_bars_read_their_targets_from_the_docs_table(tmp_path):
+    """docs/benchmarks.md's bars table is the one place a target is written; a table without a bar's row stops."""
+    assert bars.targets() == {"arrival": 5.0, "grouped_attention_only": 0.95, "grouped_compiled": 1.15, "grouped": 1.15,
+                              "stock_packed": 3.0, "compiled_vs_eager": 0.95, "compile_time": 1.0}
+    rows = "".join(f"| `{key}` | a bar | {2 + index}x | every round |\n" for index, key in enumerate(bars.BAR_KEYS))
+    table = tmp_path / "benchmarks.md"
+    table.write_text("# Benchmarks\n\n| key | bar | target | rule |\n| --- | --- | --: | --- |\n" + rows + "\nafter\n")
+    assert bars.targets(table)["arrival"] == 2.0 and bars.targets(table)["compile_time"] == 8.0
+    short = tmp_path / "short.md"  # another file: targets() reads each file once per run
+    short.write_text("| key | bar | target | rule |\n| --- | --- | --: | --- |\n| `arrival` | a bar | <= 1x | median |\n")
+    with pytest.raises(SystemExit, match="has no row for grouped_attention_only, grouped_compiled"):
+        bars.targets(short)

@@ -13,8 +13,8 @@ import compilepack
 from compilepack.ops import backends
 from compilepack.patching import family_named
 
-from ..configs import bench_config
-from ..worker import stock_path
+from benchmarks.configs import bench_config
+from benchmarks.worker import stock_path
 from .common import guarded, synchronize, usable_backends
 from .compiles import batch_of, documents_of
 

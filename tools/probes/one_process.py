@@ -9,7 +9,7 @@ It prints each mode's tokens/s per round, and each mode's per-round ratio to the
 
 Run (about 2 minutes on 2 cores for Llama; the compiles take most of it)::
 
-    python -m benchmarks.probes.one_process --model llama \
+    python -m tools.probes.one_process --model llama \
         --modes stock_grouped_eager,patched_packed_compiled,patched_packed_eager --profile
 
 Its figures so far are in benchmarks/notes/notes-2026-12-01.md ("Late evening") and notes-2026-12-02.md.
