@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_docs_table_command_prints_the_table_without_a_runner_warning():
-    """The imbalance table of docs/context-parallel.md comes from ``python -m tools.probes.balance`` (it was
+    """The imbalance table of docs/context-parallel-evidence.md comes from ``python -m tools.probes.balance`` (it was
     ``python -m compilepack.distributed.balance``, a module its own package imports first: Python's module runner
     warned on every run)."""
     done = subprocess.run([sys.executable, "-m", "tools.probes.balance"], capture_output=True, text=True,
