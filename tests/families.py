@@ -6,6 +6,8 @@ release without a family's classes fails only that family's tests.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import transformers
 from packaging.version import Version
@@ -33,7 +35,8 @@ def mixers_of(family: Family) -> frozenset[str]:
     return frozenset(r.global_name for needed in family.layers.values() for r in needed)
 
 
-def representatives() -> set[tuple[str, str]]:
+@functools.cache
+def representatives() -> frozenset[tuple[str, str]]:
     """(family, variant) pairs the README's test command compiles: for every combination of mixers a family runs,
     the first family (by name) with its default variant, and the headline families benchmarked at real widths
     (Llama, Qwen3-Next, Qwen3.5, Bamba). The other families run the same ops wired otherwise: their compile tests
@@ -42,7 +45,7 @@ def representatives() -> set[tuple[str, str]]:
     for family in sorted(available_families(), key=lambda f: f.name):
         chosen.setdefault(mixers_of(family), family)
     headline = [family for family in available_families() if family.checkpoint is not None]
-    return {(family.name, variants(family)[0]) for family in [*chosen.values(), *headline]}
+    return frozenset((family.name, variants(family)[0]) for family in [*chosen.values(), *headline])
 
 
 def is_moe(family: Family, variant: str | None = None) -> bool:

@@ -70,6 +70,12 @@ def _layer_of(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
+def _is_submodule(package: str, name: str) -> bool:
+    """Whether ``from package import name`` imports a module (``from .. import patching``), not a name in it."""
+    where = ROOT.joinpath(*package.split("."), name)
+    return where.is_dir() or where.with_suffix(".py").is_file()
+
+
 def _library_imports(path: Path) -> set[str]:
     """The compilepack modules one file imports (function-level imports included), as dotted names."""
     name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
@@ -85,10 +91,7 @@ def _library_imports(path: Path) -> set[str]:
             base = base[: len(base) - node.level + 1] if node.level else []
             target = ".".join([*base, *([node.module] if node.module else [])])
             if target.split(".")[0] == "compilepack":
-                # ``from . import x``: x is a submodule when it is one
-                found |= {f"{target}.{a.name}" if (ROOT / "compilepack" / f"{a.name}.py").exists()
-                          or (ROOT / "compilepack" / a.name).is_dir() and target == "compilepack" else target
-                          for a in node.names}
+                found |= {f"{target}.{a.name}" if _is_submodule(target, a.name) else target for a in node.names}
     return found
 
 
