@@ -153,6 +153,23 @@ def test_importing_and_patching_imports_no_cuda_library():
     assert out.stdout.strip() == "[]"
 
 
+def test_every_patch_option_works_after_importing_compilepack_alone():
+    """A fresh interpreter, as a user's script starts: patch()'s extension options (lm_head) are read by modules that
+    register themselves on import; one left unimported made ``patch(model, lm_head="chunked")`` fail unless some
+    other import had pulled it in (a test run in one order passed, in another failed)."""
+    code = (
+        "import compilepack\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "config = compilepack.patching.family_named('llama').bench_config()\n"
+        "model = compilepack.patch(AutoModelForCausalLM.from_config(config), lm_head='chunked')\n"
+        "from compilepack.patching.chunked_head import has_chunked_head  # only now: an import that registers\n"
+        "print(has_chunked_head(model))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "True"
+
+
 @pytest.mark.slow
 def test_explain_cli_prints_stock_next_to_patched():
     out = subprocess.run(

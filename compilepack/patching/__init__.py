@@ -1,6 +1,7 @@
 """Patching machinery: families, the registry, and the per-instance rebinding of transformers forwards."""
 
 from .api import is_patched, patch, patch_state, patched, unpatch
+from . import chunked_head  # registers patch(lm_head=...) with patch(): importing compilepack must be enough
 from .family import (
     Checkpoint,
     DocsRow,
