@@ -151,9 +151,9 @@ def lora_config(family_name: str) -> LoraConfig:
     return LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS[family_name], init_lora_weights=False)
 
 
-def sft_lora_trainer(family_name, tmp_path, *, checkpointing, compile_: bool):
+def sft_lora_trainer(family_name, tmp_path, *, checkpointing, compile_: bool, peft_config: LoraConfig | None = None):
     """TRL's LoRA recipe: SFTTrainer(patch(model), peft_config=...), padding-free, gradient checkpointing on
-    (SFTConfig's default), 4 steps of 3 samples, fp32."""
+    (SFTConfig's default), 4 steps of 3 samples, fp32. ``peft_config``: :func:`lora_config` unless given."""
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
@@ -171,7 +171,7 @@ def sft_lora_trainer(family_name, tmp_path, *, checkpointing, compile_: bool):
     samples = training_docs(model.config.vocab_size)
     trainer = recording(SFTTrainer)(model=model, args=args, train_dataset=Dataset.from_dict({"input_ids": samples}),
                                     processing_class=word_tokenizer(model.config.vocab_size),
-                                    peft_config=lora_config(family_name))
+                                    peft_config=peft_config or lora_config(family_name))
     trainer.data_collator = with_boundaries(trainer.data_collator)
     return trainer
 
