@@ -48,7 +48,8 @@ def lora(family_name: str, **options) -> LoraConfig:
 def lora_model(family_name: str, **options):
     """A patched LoRA model (adapters initialised non-zero, so that they change the output), train mode."""
     torch.manual_seed(0)
-    return compilepack.patch(get_peft_model(build_tiny(family_named(family_name)), lora(family_name, **options))).train()
+    model = get_peft_model(build_tiny(family_named(family_name)), lora(family_name, **options))
+    return compilepack.patch(model).train()
 
 
 def set_fullgraph_dynamic(monkeypatch):
@@ -188,7 +189,8 @@ def test_dora_compiled_grads_equal_eager(family_name):
     model = lora_model(family_name, use_dora=True)
     batch = hf_batch(random_docs(model.config.vocab_size, LENGTHS, seed=1))
     eager = packed_grads(model, batch)
-    summed_token_loss(torch.compile(model, backend="aot_eager", dynamic=True)(**batch).logits, batch["labels"]).backward()
+    compiled = torch.compile(model, backend="aot_eager", dynamic=True)
+    summed_token_loss(compiled(**batch).logits, batch["labels"]).backward()
     grads = trainable_grads(model)
     assert any("lora_magnitude_vector" in name for name in grads)
     assert grads.keys() == eager.keys() and relative_grad_error(grads, eager) <= TOLERANCE[family_name]
