@@ -1,9 +1,9 @@
-"""``python -m benchmarks cp-memory``: what context parallelism buys in memory. Peak memory per rank of one training
+"""``python -m tools.sweeps cp-memory``: what context parallelism buys in memory. Peak memory per rank of one training
 step on one packed row of ``T`` tokens, at W = 1, 2 and 4 CPU processes (gloo, the sequence mode), with the stock
 LM head and with the chunked one (``patch(model, lm_head="chunked")``), beside the cost model's prediction.
 
 Each point is one family at its smallest released checkpoint's widths (``Family.checkpoint``: one decoder layer of
-each kind, the real vocabulary, fp32, random weights, as ``benchmarks.trainer_rows``), one row of ``T`` tokens in
+each kind, the real vocabulary, fp32, random weights, as ``trainer_rows``), one row of ``T`` tokens in
 ``--docs`` equal documents, one W and one head. W = 1 is the model patched without context parallelism; W > 1 is
 ``ContextParallel.sequence_parallel`` over the W processes of one ``torchrun``, each rank on its ``T / W`` slice
 (``shard_batch``), the gradients summed (``all_reduce_gradients``), one SGD step.
@@ -29,9 +29,10 @@ import sys
 import tempfile
 import time
 
+from benchmarks.configs import real_config
+from benchmarks.measure import load_average
+
 from . import sweep
-from .configs import real_config
-from .measure import load_average
 
 FAMILIES = ("qwen3_5", "bamba")
 ROWS = (8192, 16384, 32768)
@@ -76,7 +77,7 @@ def _run_point(point: dict, limit_gb: float, timeout: float) -> dict:
     """One point in its own ``torchrun`` (or one process at W = 1), stopped past ``limit_gb`` of RSS summed over its
     processes; the largest rank's figures, or why there are none."""
     with tempfile.TemporaryDirectory() as folder:
-        child = ["-m", "benchmarks.cp_memory", "--child", json.dumps({**point, "out": folder})]
+        child = ["-m", "tools.sweeps.cp_memory", "--child", json.dumps({**point, "out": folder})]
         if point["world"] > 1:
             child = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={point['world']}", *child]
         stopped, returncode, output = sweep.run_child([sys.executable, *child], limit_gb, timeout,
