@@ -11,10 +11,10 @@ import pytest
 
 from benchmarks import bars, history, modes
 from benchmarks.rounds import run_family
-from benchmarks.worker import ModeSpec, measure_mode
+from benchmarks.worker import ModeSpec
 from benchmarks.__main__ import main
 from compilepack.patching import family_named
-from tests.benchmarks.bench_helpers import FakeWorker, result_of
+from tests.benchmarks.bench_helpers import FakeWorker, measure_mode, result_of
 from tests.families import tiny_config
 
 TINY = modes.Workload(tokens_per_step=256, steps=2)

@@ -29,7 +29,6 @@ import sys
 import tempfile
 import time
 
-from benchmarks.configs import real_config
 from benchmarks.measure import load_average
 
 from . import sweep
@@ -96,7 +95,7 @@ def _predicted_gb(point: dict) -> float:
     """The cost model's mixers' activations per rank (fp32), summed over the model's layers."""
     from compilepack.distributed.cost import Cluster, mixer_memory, mixers_of
 
-    config = real_config(point["family"])
+    config = sweep.real_config(point["family"])
     fp32 = Cluster(activation_bytes=4)
     return round(sum(mixer_memory(m, "sequence", point["world"], point["tokens"], cluster=fp32)
                      for m in mixers_of(config)) / 1e9, 3)
@@ -125,7 +124,7 @@ def _child(point: dict) -> None:
     torch.set_num_threads(1)
     world = point["world"]
     lm_head = "chunked" if point["head"] == "chunked" else None
-    model = transformers.AutoModelForCausalLM.from_config(real_config(point["family"])).train()
+    model = transformers.AutoModelForCausalLM.from_config(sweep.real_config(point["family"])).train()
     cp = None
     if world > 1:
         from compilepack.distributed import ContextParallel

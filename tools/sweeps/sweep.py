@@ -36,6 +36,15 @@ def parser(command: str, doc: str, *, families: tuple, rows: tuple, family_optio
     return parser
 
 
+def real_config(family_name: str):
+    """The family's smallest release's widths (``Family.checkpoint``), no cache, as a trainer sets it."""
+    from benchmarks.configs import bench_config
+
+    config = bench_config(family_name, "real")
+    config.use_cache = False
+    return config
+
+
 def numbers(text: str) -> list[int]:
     return [int(part) for part in text.split(",")]
 

@@ -31,7 +31,6 @@ import statistics
 import sys
 import time
 
-from benchmarks.configs import real_config
 from benchmarks.measure import load_average
 
 from . import sweep
@@ -138,7 +137,7 @@ def _model(point: dict):
 
     import compilepack
 
-    model = transformers.AutoModelForCausalLM.from_config(real_config(point["family"])).train()
+    model = transformers.AutoModelForCausalLM.from_config(sweep.real_config(point["family"])).train()
     if point["mode"] == "patched":
         compilepack.patch(model)
     elif point["mode"] == "chunked":
