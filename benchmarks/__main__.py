@@ -1,5 +1,6 @@
-"""``python -m benchmarks [train|ops|long-rows|trainer-rows|cp-memory|gpu-check|history] [options]``: one entry point for every
-benchmark (``train``, the training-step benchmark, when no command is named)."""
+"""``python -m benchmarks [train|ops|gpu-check|history] [options]``: one entry point for every benchmark (``train``,
+the training-step benchmark, when no command is named). The cost-table sweeps (long-rows, trainer-rows, cp-memory)
+are ``python -m tools.sweeps``."""
 
 from __future__ import annotations
 
@@ -10,12 +11,11 @@ import sys
 COMMANDS = {
     "train": ("benchmarks.train", "training steps, stock vs patched (the default command)"),
     "ops": ("benchmarks.ops", "each sequence-mixing op alone"),
-    "long-rows": ("benchmarks.long_rows", "a step's cost against the tokens per row"),
     "gpu-check": ("benchmarks.gpu_check", "the kernel paths on a GPU, one JSON"),
     "history": ("benchmarks.history", "rebuild benchmarks/results/history.csv from result files"),
-    "trainer-rows": ("benchmarks.trainer_rows", "HF Trainer / SFTTrainer steps at real vocabularies, 4k-32k rows"),
-    "cp-memory": ("benchmarks.cp_memory", "peak memory per rank under context parallelism, W = 1, 2, 4"),
 }
+# commands that moved out of the benchmark: a pointer, not a run (benchmarks never imports tools.sweeps)
+MOVED = {name: f"python -m tools.sweeps {name}" for name in ("long-rows", "trainer-rows", "cp-memory")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,6 +26,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:<11} {what}")
         print("\n`python -m benchmarks <command> --help` lists a command's options.")
         return 0
+    if argv and argv[0] in MOVED:
+        print(f"`python -m benchmarks {argv[0]}` moved: run `{MOVED[argv[0]]}` (the cost-table sweeps, tools/sweeps/)",
+              file=sys.stderr)
+        return 2
     command = argv.pop(0) if argv and argv[0] in COMMANDS else "train"
     module, _ = COMMANDS[command]
     return importlib.import_module(module).main(argv)

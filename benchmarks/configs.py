@@ -31,13 +31,6 @@ def bench_config(family_name: str, widths: str = "bench") -> transformers.Pretra
     return family.checkpoint.config()
 
 
-def real_config(family_name: str) -> transformers.PretrainedConfig:
-    """The family's smallest release's widths (``Family.checkpoint``), no cache, as a trainer sets it."""
-    config = bench_config(family_name, "real")
-    config.use_cache = False
-    return config
-
-
 def build_bench_model(family_name: str) -> torch.nn.Module:
     """The benchmark's model of ``family_name``, randomly initialised."""
     return transformers.AutoModelForCausalLM.from_config(bench_config(family_name))

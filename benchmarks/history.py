@@ -5,16 +5,17 @@ transformers, tokens/s, the ratio against stock grouped eager, the bars that row
 
 - the training benchmark (kind ``cpu``, ``cpu-real``): one row per family and mode; ``tokens`` is the run's real
   tokens per step, ``documents`` ``mix`` (the bench's lognormal documents);
-- long rows (``long-rows-cpu``): one row per family, documents (``equal <length>`` or ``mix``), row length
-  (``tokens``) and mode; the ratio is the point's paired one, patched over stock grouped, on equal documents;
+- long rows (``long-rows-cpu``, ``python -m tools.sweeps long-rows``): one row per family, documents
+  (``equal <length>`` or ``mix``), row length (``tokens``) and mode; the ratio is the point's paired one, patched
+  over stock grouped, on equal documents;
 - the op benchmark (``ops-cpu``): the op as the family, the implementation as the mode (``stock`` on the packed
   row, ``packed``, and ``stock_batched``: stock on the ``[n_docs, L]`` batch of equal documents, what a
   length-grouped batch is at best, which stands for stock grouped in the ratio column); forward+backward figures,
   ``tokens`` the row's length.
 
-Of the JSON / MD / PNG files only the latest run of each kind stays in the folder (``cpu-<date>``,
-``cpu-real-<date>``, ``long-rows-cpu-<date>``, ``ops-cpu-<date>``): :func:`keep_latest` removes the older ones when
-a run is written; git keeps them.
+:func:`write` writes a run's JSON / MD / PNG files (every benchmark's, and the cost-table sweeps'); of them only
+the latest run of each kind stays in the folder (``cpu-<date>``, ``cpu-real-<date>``, ``long-rows-cpu-<date>``,
+``ops-cpu-<date>``): :func:`keep_latest` removes the older ones when a run is written; git keeps them.
 
     python -m benchmarks history benchmarks/results/*.json      # append these runs' rows (e.g. after a merge)
 
@@ -160,6 +161,25 @@ def record(report: dict, out: pathlib.Path, stem: str) -> str:
     removed = keep_latest(out, stem)
     return f"appended {appended} rows to {out / HISTORY}" + (f"; removed the older {', '.join(removed)}"
                                                            if removed else "")
+
+
+def write(report: dict, out: pathlib.Path, stem: str, markdown, plot=None, history: bool = False, show=None,
+          no_plot: str = "") -> None:
+    """``out/<stem>.json``, ``.md`` and (with ``plot``) ``.png``; the run shown (``show``, else its table printed);
+    with ``history`` the run's rows appended to the history table; older runs of its kind removed from ``out`` (the
+    folder keeps the latest). ``no_plot``: what the last line says where no plot was drawn. Every benchmark's
+    writer: the training run, the op benchmark and the cost-table sweeps (``tools/sweeps``)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(markdown(report))
+    if plot is not None:
+        plot(report, out / f"{stem}.png")
+    show(report) if show else print(markdown(report))
+    print(f"wrote {out / stem}.json, .md" + (", .png" if plot is not None else no_plot))
+    if history:
+        print(record(report, out, stem))
+    elif removed := keep_latest(out, stem):
+        print(f"removed the older {', '.join(removed)}")
 
 
 def _status(bar: dict) -> str:

@@ -404,8 +404,8 @@ def _workload_summary(workload) -> dict:
 def _write(report: dict, out: pathlib.Path, stem: str, can_plot: bool = True) -> None:
     """The run's JSON, markdown and plot; its rows appended to the history table; older runs of its kind removed
     from ``out`` (the latest run of each kind is what the folder keeps)."""
+    from .history import write
     from .report import markdown, plot, print_console
-    from .sweep import write
 
     write(report, out, stem, markdown, plot if can_plot else None, history=True, show=print_console,
           no_plot=" (no .png: matplotlib is not installed, or --no-plot)")

@@ -326,16 +326,6 @@ def serve(spec: ModeSpec, connection) -> None:
         connection.close()
 
 
-def measure_mode(spec: ModeSpec, report=lambda phase, figures: None) -> dict:
-    """Every figure of one mode on its own, in this process: warm up, every round, finish."""
-    session = ModeSession(spec, report)
-    if session.prepare():
-        for index in range(spec.workload.steps):
-            if not session.run_round(index):
-                break
-    return session.finish()
-
-
 def _import_family(spec: ModeSpec) -> None:
     """Import what building the model imports lazily (transformers' modeling module and auto classes) before
     the memory baseline, so the mode's peak memory is its model, optimizer, activations and compile."""

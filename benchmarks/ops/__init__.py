@@ -28,8 +28,7 @@ import sys
 
 import torch
 
-from .. import sweep
-from ..history import RESULTS
+from ..history import RESULTS, write
 from ..markdown import cell
 from ..measure import synchronizer
 from ._common import alternating_ms
@@ -43,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [_bench_op(module, args) for module in op_modules(args.ops)]
     stem = f"ops-{args.device.split(':')[0]}-{datetime.date.today().isoformat()}"
     # the history gets the op as the family, each implementation as a mode
-    sweep.write(_report(args, rows), pathlib.Path(args.out), stem, markdown, history=True)
+    write(_report(args, rows), pathlib.Path(args.out), stem, markdown, history=True)
     return 0
 
 

@@ -1,9 +1,9 @@
-"""Stand-ins the benchmark's tests share: a worker that records the driver's calls, and a mode's result from
-per-round throughputs."""
+"""Stand-ins the benchmark's tests share: a worker that records the driver's calls, a mode's result from
+per-round throughputs, and one mode measured in this process."""
 
 from __future__ import annotations
 
-from benchmarks.worker import summarize_rounds
+from benchmarks.worker import ModeSession, ModeSpec, summarize_rounds
 
 
 class FakeWorker:
@@ -43,3 +43,13 @@ def result_of(mode, per_round, family="llama", compiled=()):
     timed = [{"round": r, "position": 0, "tokens": 1000, "seconds": 1000 / tps, "load_avg": 1.0,
               "compiled": r in compiled} for r, tps in enumerate(per_round) if tps]
     return {"family": family, "mode": mode, "error": None, **summarize_rounds(timed)}
+
+
+def measure_mode(spec: ModeSpec) -> dict:
+    """Every figure of one mode on its own, in this process: warm up, every round, finish."""
+    session = ModeSession(spec)
+    if session.prepare():
+        for index in range(spec.workload.steps):
+            if not session.run_round(index):
+                break
+    return session.finish()

@@ -18,11 +18,11 @@ from benchmarks import bars, history, modes
 from benchmarks import report as report_module
 from benchmarks.isolation import LocalWorker, ProcessContext
 from benchmarks.rounds import round_order, run_family, warm_up_in_lanes
-from benchmarks.worker import ModeSpec, measure_mode, summarize_rounds
+from benchmarks.worker import ModeSpec, summarize_rounds
 from benchmarks.__main__ import main
 import compilepack
 from compilepack.patching import family_named
-from tests.benchmarks.bench_helpers import FakeWorker, result_of
+from tests.benchmarks.bench_helpers import FakeWorker, measure_mode, result_of
 from tests.families import tiny_config
 
 TINY = modes.Workload(tokens_per_step=256, steps=2)

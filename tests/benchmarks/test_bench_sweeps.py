@@ -1,9 +1,8 @@
-"""The benchmark's other runs and tools on small models (seconds, not a measurement): real widths and long rows,
-the results folder and its history table, the entry point (python -m benchmarks)."""
+"""The benchmark's other runs and tools on small models (seconds, not a measurement): real widths, the results
+folder and its history table, the entry point (python -m benchmarks). The cost-table sweeps: test_sweeps.py."""
 
 from __future__ import annotations
 
-import csv
 import json
 import pathlib
 import sys
@@ -12,10 +11,10 @@ import pytest
 
 from benchmarks import bars, history, modes
 from benchmarks.rounds import run_family
-from benchmarks.worker import ModeSpec, measure_mode
+from benchmarks.worker import ModeSpec
 from benchmarks.__main__ import main
 from compilepack.patching import family_named
-from tests.benchmarks.bench_helpers import FakeWorker, result_of
+from tests.benchmarks.bench_helpers import FakeWorker, measure_mode, result_of
 from tests.families import tiny_config
 
 TINY = modes.Workload(tokens_per_step=256, steps=2)
@@ -102,23 +101,6 @@ def test_one_at_a_time_finishes_each_mode_before_the_next_starts():
                      ("start", "b"), ("ready", "b"), ("round", 0, 0, "b"), ("round", 1, 0, "b"), ("finish", "b")]
 
 
-def test_long_rows_batches_the_same_documents_each_mode_its_way():
-    from benchmarks import long_rows
-
-    docs = long_rows.equal_documents(512, 128)
-    assert [len(doc) for doc in docs] == [128] * 4
-    workload = modes.Workload(tokens_per_step=512, steps=2)
-    _, grouped = modes.mode_named("stock_grouped_eager").batches_of(docs, workload)
-    _, packed = modes.mode_named("patched_packed_eager").batches_of(docs, workload)
-    assert len(grouped) == len(packed) == 2  # one round per timed step, the same documents in each
-    assert grouped[0][0].tensors["input_ids"].shape == (4, 128)  # equal documents: no padding at all
-    assert packed[1][0].tensors["input_ids"].shape == (1, 512) and packed[1][0].docs == docs
-    mix = long_rows.mixed_documents(2048)
-    assert sum(map(len, mix)) <= 2048 and len(set(map(len, mix))) > 5
-    with pytest.raises(SystemExit, match="not a multiple of --doc-len 100"):
-        long_rows.equal_documents(512, 100)
-
-
 def test_the_default_reports_a_known_stock_compile_failure_without_running_it():
     spec = ModeSpec("qwen3_5", "stock_grouped_compiled", TINY, config=tiny_config(family_named("qwen3_5")),
                     skip_known_failures=True)
@@ -202,27 +184,6 @@ def test_history_rows_of_a_long_rows_sweep_and_an_op_run():
         ("ops-cpu", "attention", "packed", "16 random-length", 51200.0, ""),
         ("ops-cpu", "attention", "stock_batched", "16 equal-length", 40960.0, 1.0),
         ("ops-cpu", "attention", "packed", "16 equal-length", 51200.0, 1.3)]  # the per-repeat median, as reported
-
-
-def test_a_long_rows_sweep_appends_its_rows_and_keeps_only_the_latest_sweep(tmp_path):
-    from benchmarks import long_rows
-
-    (tmp_path / "long-rows-cpu-2026-01-01.json").write_text("{}")
-    sweep = {"date": "2026-12-01T19:10:54", "torch": "2.13.0", "transformers": "5.24.0", "wall_s": 1.0,
-             "load_avg": {"start": 1.0, "end": 1.0},
-             "settings": {"widths": "bench", "steps": 2, "allocator": "keep", "threads": 1, "doc_len": 256},
-             "points": [{"family": "qwen3_5", "tokens": 512, "row": 512, "documents": "equal", "n_docs": 2,
-                         "speedup": 1.1, "speedup_range": [1.0, 1.2], "modes": {
-                             mode: {"tokens_per_s": 100.0, "tokens_per_s_min": 90.0, "tokens_per_s_max": 110.0,
-                                    "peak_mem_mb": 1.0, "padding_frac": 0.0}
-                             for mode in ("patched_packed_eager", "stock_grouped_eager")}}]}
-    long_rows.write(sweep, tmp_path, "long-rows-cpu-2026-12-01", can_plot=False)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "history.csv", "long-rows-cpu-2026-12-01.json", "long-rows-cpu-2026-12-01.md"]
-    with (tmp_path / "history.csv").open() as handle:
-        rows = list(csv.DictReader(handle))
-    assert [(r["kind"], r["mode"], r["vs_stock_grouped_eager"]) for r in rows] == [
-        ("long-rows-cpu", "patched_packed_eager", "1.1"), ("long-rows-cpu", "stock_grouped_eager", "1.0")]
 
 
 # ------------------------------------------------------------------------------------------------ entry points

@@ -1,5 +1,5 @@
-"""``python -m benchmarks trainer-rows``: training steps through HF ``Trainer`` and TRL's ``SFTTrainer`` at real widths
-and real vocabularies, on one packed row of 4k to 32k tokens: where the memory goes, and the LM head's share.
+"""``python -m tools.sweeps trainer-rows``: training steps through HF ``Trainer`` and TRL's ``SFTTrainer`` at real
+widths and real vocabularies, on one packed row of 4k to 32k tokens: where the memory goes, and the LM head's share.
 
 Each point is one family at its smallest released checkpoint's widths (``Family.checkpoint``: one decoder layer of
 each kind, the real vocabulary, fp32, random weights), one trainer, one row length ``T`` (one packed row of ``T``
@@ -31,9 +31,9 @@ import statistics
 import sys
 import time
 
+from benchmarks.measure import load_average
+
 from . import sweep
-from .configs import real_config
-from .measure import load_average
 
 FAMILIES = ("qwen3_5", "qwen3_next", "bamba")
 ROWS = (4096, 8192, 16384, 32768)
@@ -84,7 +84,7 @@ def _parser():
 
 def _run_point(point: dict, limit_gb: float, timeout: float) -> dict:
     """Run one point in a child process, stopped past ``limit_gb`` of RSS; its result, or why there is none."""
-    command = [sys.executable, "-m", "benchmarks.trainer_rows", "--child", json.dumps(point)]
+    command = [sys.executable, "-m", "tools.sweeps.trainer_rows", "--child", json.dumps(point)]
     stopped, returncode, output = sweep.run_child(command, limit_gb, timeout)
     if stopped is not None:
         return stopped
@@ -137,7 +137,7 @@ def _model(point: dict):
 
     import compilepack
 
-    model = transformers.AutoModelForCausalLM.from_config(real_config(point["family"])).train()
+    model = transformers.AutoModelForCausalLM.from_config(sweep.real_config(point["family"])).train()
     if point["mode"] == "patched":
         compilepack.patch(model)
     elif point["mode"] == "chunked":
@@ -336,7 +336,7 @@ def draw(report: dict, path: pathlib.Path) -> None:
 
 
 def _command(settings: dict) -> str:
-    return f"`python -m benchmarks trainer-rows {_arguments(settings)}`"
+    return f"`python -m tools.sweeps trainer-rows {_arguments(settings)}`"
 
 
 def _arguments(settings: dict) -> str:

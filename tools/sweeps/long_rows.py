@@ -1,4 +1,4 @@
-"""``python -m benchmarks long-rows``: how a training step's cost grows with the tokens per row.
+"""``python -m tools.sweeps long-rows``: how a training step's cost grows with the tokens per row.
 
 For each family and each row length ``T`` (tokens per step), the same documents three ways:
 
@@ -20,14 +20,15 @@ import pathlib
 import statistics
 import time
 
+from benchmarks.measure import load_average
+
 from . import sweep
-from .measure import load_average
 
 ROWS = (4096, 16384, 65536)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from . import dependencies
+    from benchmarks import dependencies
 
     args = _parser().parse_args(argv)
     can_plot = dependencies.check(plot=not args.no_plot)
@@ -78,7 +79,7 @@ def _replot(path: pathlib.Path, can_plot: bool) -> int:
 
 def equal_documents(tokens: int, doc_len: int) -> list[list[int]]:
     """``tokens // doc_len`` documents of ``doc_len`` tokens from the bench's corpus."""
-    from . import data
+    from benchmarks import data
 
     if tokens % doc_len:
         raise SystemExit(f"--rows: {tokens} is not a multiple of --doc-len {doc_len}")
@@ -87,7 +88,7 @@ def equal_documents(tokens: int, doc_len: int) -> list[list[int]]:
 
 def mixed_documents(tokens: int) -> list[list[int]]:
     """The bench's lognormal documents in arrival order, the first ``tokens`` real tokens at most."""
-    from . import data
+    from benchmarks import data
 
     lengths, seed = [], 0
     while sum(lengths) < 2 * tokens:
@@ -97,7 +98,7 @@ def mixed_documents(tokens: int) -> list[list[int]]:
 
 
 def _measure_point(args, family: str, tokens: int) -> list[dict]:
-    from .modes import PATCHED_PACKED_EAGER, STOCK_GROUPED_EAGER, STOCK_PADDED_EAGER
+    from benchmarks.modes import PATCHED_PACKED_EAGER, STOCK_GROUPED_EAGER, STOCK_PADDED_EAGER
 
     # patched first: a point's ratio is patched over stock
     equal = _compare(args, family, tokens, "equal", (PATCHED_PACKED_EAGER, STOCK_GROUPED_EAGER),
@@ -114,13 +115,12 @@ def _measure_point(args, family: str, tokens: int) -> list[dict]:
 
 def _compare(args, family: str, tokens: int, documents: str, modes: tuple[str, ...], step) -> dict:
     """One point: the modes' workers on the same documents, rounds taken in turn."""
+    from benchmarks.bars import paired_ratios
+    from benchmarks.isolation import ProcessContext
+    from benchmarks.modes import Workload
+    from benchmarks.rounds import run_family
+    from benchmarks.worker import ModeSpec
     from compilepack.patching import family_named
-
-    from .bars import paired_ratios
-    from .isolation import ProcessContext
-    from .modes import Workload
-    from .rounds import run_family
-    from .worker import ModeSpec
 
     workload = Workload(tokens_per_step=tokens, steps=args.steps)
     context = ProcessContext(preload=[family_named(family).modeling])

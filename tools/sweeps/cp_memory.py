@@ -1,9 +1,9 @@
-"""``python -m benchmarks cp-memory``: what context parallelism buys in memory. Peak memory per rank of one training
+"""``python -m tools.sweeps cp-memory``: what context parallelism buys in memory. Peak memory per rank of one training
 step on one packed row of ``T`` tokens, at W = 1, 2 and 4 CPU processes (gloo, the sequence mode), with the stock
 LM head and with the chunked one (``patch(model, lm_head="chunked")``), beside the cost model's prediction.
 
 Each point is one family at its smallest released checkpoint's widths (``Family.checkpoint``: one decoder layer of
-each kind, the real vocabulary, fp32, random weights, as ``benchmarks.trainer_rows``), one row of ``T`` tokens in
+each kind, the real vocabulary, fp32, random weights, as ``trainer_rows``), one row of ``T`` tokens in
 ``--docs`` equal documents, one W and one head. W = 1 is the model patched without context parallelism; W > 1 is
 ``ContextParallel.sequence_parallel`` over the W processes of one ``torchrun``, each rank on its ``T / W`` slice
 (``shard_batch``), the gradients summed (``all_reduce_gradients``), one SGD step.
@@ -29,9 +29,9 @@ import sys
 import tempfile
 import time
 
+from benchmarks.measure import load_average
+
 from . import sweep
-from .configs import real_config
-from .measure import load_average
 
 FAMILIES = ("qwen3_5", "bamba")
 ROWS = (8192, 16384, 32768)
@@ -76,7 +76,7 @@ def _run_point(point: dict, limit_gb: float, timeout: float) -> dict:
     """One point in its own ``torchrun`` (or one process at W = 1), stopped past ``limit_gb`` of RSS summed over its
     processes; the largest rank's figures, or why there are none."""
     with tempfile.TemporaryDirectory() as folder:
-        child = ["-m", "benchmarks.cp_memory", "--child", json.dumps({**point, "out": folder})]
+        child = ["-m", "tools.sweeps.cp_memory", "--child", json.dumps({**point, "out": folder})]
         if point["world"] > 1:
             child = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={point['world']}", *child]
         stopped, returncode, output = sweep.run_child([sys.executable, *child], limit_gb, timeout,
@@ -95,7 +95,7 @@ def _predicted_gb(point: dict) -> float:
     """The cost model's mixers' activations per rank (fp32), summed over the model's layers."""
     from compilepack.distributed.cost import Cluster, mixer_memory, mixers_of
 
-    config = real_config(point["family"])
+    config = sweep.real_config(point["family"])
     fp32 = Cluster(activation_bytes=4)
     return round(sum(mixer_memory(m, "sequence", point["world"], point["tokens"], cluster=fp32)
                      for m in mixers_of(config)) / 1e9, 3)
@@ -124,7 +124,7 @@ def _child(point: dict) -> None:
     torch.set_num_threads(1)
     world = point["world"]
     lm_head = "chunked" if point["head"] == "chunked" else None
-    model = transformers.AutoModelForCausalLM.from_config(real_config(point["family"])).train()
+    model = transformers.AutoModelForCausalLM.from_config(sweep.real_config(point["family"])).train()
     cp = None
     if world > 1:
         from compilepack.distributed import ContextParallel

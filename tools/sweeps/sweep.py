@@ -1,5 +1,6 @@
 """What the sweeps over tokens per row share (``long-rows``, ``trainer-rows``, ``cp-memory``): their common options,
-a point run in a child process under a memory limit, the report's files, and a plot's panels against ``T``."""
+a point run in a child process under a memory limit, the report (its files are written by ``benchmarks.history``'s
+``write``, as the benchmark's are), and a plot's panels against ``T``."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pathlib
 import subprocess
 import time
 
-from .history import RESULTS
+from benchmarks.history import RESULTS, write  # the results folder's writer, shared with the benchmark
 
 CHILD_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -19,7 +20,7 @@ CHILD_ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 def parser(command: str, doc: str, *, families: tuple, rows: tuple, family_option: str = "--families",
            memory_limit: float | None = None, point_timeout: float | None = None) -> argparse.ArgumentParser:
     """The sweep's parser with the options every sweep has; the caller adds its own."""
-    parser = argparse.ArgumentParser(prog=f"python -m benchmarks {command}", description=doc,
+    parser = argparse.ArgumentParser(prog=f"python -m tools.sweeps {command}", description=doc,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(family_option, default=",".join(families), help="comma-separated families (default: %(default)s)")
     parser.add_argument("--rows", default=",".join(map(str, rows)), help="tokens per row (default: %(default)s)")
@@ -35,6 +36,15 @@ def parser(command: str, doc: str, *, families: tuple, rows: tuple, family_optio
     return parser
 
 
+def real_config(family_name: str):
+    """The family's smallest release's widths (``Family.checkpoint``), no cache, as a trainer sets it."""
+    from benchmarks.configs import bench_config
+
+    config = bench_config(family_name, "real")
+    config.use_cache = False
+    return config
+
+
 def numbers(text: str) -> list[int]:
     return [int(part) for part in text.split(",")]
 
@@ -45,7 +55,7 @@ def today() -> str:
 
 def report_of(args, started: float, load_start: float | None, **figures) -> dict:
     """The report every sweep writes: date, settings, load, wall time, versions, then its own figures."""
-    from .measure import load_average
+    from benchmarks.measure import load_average
 
     return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "settings": vars(args),
             "load_avg": {"start": load_start, "end": load_average()},
@@ -63,26 +73,6 @@ def with_earlier(report: dict, out: pathlib.Path, stem: str) -> dict:
             "load_avg": {"runs": previous.get("load_avg", {}).get("runs", [previous.get("load_avg")])
                          + [report["load_avg"]]},
             "wall_s": round(previous.get("wall_s", 0) + report["wall_s"], 1)}
-
-
-def write(report: dict, out: pathlib.Path, stem: str, markdown, plot=None, history: bool = False, show=None,
-          no_plot: str = "") -> None:
-    """``out/<stem>.json``, ``.md`` and (with ``plot``) ``.png``; the run shown (``show``, else its table printed);
-    with ``history`` the run's rows appended to the history table; older runs of its kind removed from ``out`` (the
-    folder keeps the latest). ``no_plot``: what the last line says where no plot was drawn."""
-    from . import history as results
-
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / f"{stem}.md").write_text(markdown(report))
-    if plot is not None:
-        plot(report, out / f"{stem}.png")
-    show(report) if show else print(markdown(report))
-    print(f"wrote {out / stem}.json, .md" + (", .png" if plot is not None else no_plot))
-    if history:
-        print(results.record(report, out, stem))
-    elif removed := results.keep_latest(out, stem):
-        print(f"removed the older {', '.join(removed)}")
 
 
 def run_child(command: list[str], limit_gb: float, timeout: float, env: dict | None = None) -> tuple[dict | None, int, str]:
