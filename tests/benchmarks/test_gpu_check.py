@@ -40,6 +40,7 @@ def test_gpu_check_smoke_on_cpu(tmp_path):
     for section in ("known_bugs", "long_rows"):
         assert report[section] == [{"skipped": "CUDA only"}]
     assert report["recompiles"] == {"skipped": "CUDA only"}
+    assert report["qlora"] == [{"family": "llama", "skipped": "CUDA only"}]
     (family,) = report["families"]
     assert family["max_logit_diff_packed_vs_alone"] <= 1e-5
     assert family["compiles_over_6_batches"] == 1

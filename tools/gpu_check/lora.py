@@ -1,7 +1,7 @@
 """QLoRA on the GPU (issue 42): a 4-bit bitsandbytes model, PEFT LoRA on every linear layer but the LM head,
 ``prepare_model_for_kbit_training`` (gradient checkpointing and the input embeddings' ``requires_grad_`` hook),
-then ``compilepack.patch``: one graph, 0 breaks, compiled gradients == eager. Needs CUDA and bitsandbytes; for
-``gpu_check.py`` to call as ``check_qlora(name, device, compile_backend)`` (not wired in yet)."""
+then ``compilepack.patch``: one graph, 0 breaks, compiled gradients == eager. Needs CUDA and bitsandbytes: the GPU
+check's ``qlora`` section (``run.py``) calls ``check_qlora(name, device, compile_backend)`` per family."""
 
 from __future__ import annotations
 
@@ -21,6 +21,8 @@ from .compiles import batch_of, documents_of
 def check_qlora(name, device, compile_backend="inductor"):
     """One family's QLoRA recipe, patched: graphs and breaks of the compiled training forward, compiles over 4
     varied batches, and the compiled loss and LoRA gradients against the same model run eager."""
+    if torch.device(device).type != "cuda":
+        return {"family": name, "skipped": "CUDA only"}  # bitsandbytes' 4-bit layers
     model = guarded({}, lambda: _qlora_model(name, device))
     if isinstance(model, dict):  # no bitsandbytes, no CUDA: the reason is the finding
         return {"family": name, **model}

@@ -26,6 +26,9 @@ section only while the time budget (``--budget-s``, 480 s: a section started may
 5. families: a patched bench model per family in bf16, packed logits vs each document alone, explain
    (graphs/breaks), compiles over 6 varied HF batches, and a compiled (inductor) training step run under
    ``torch.cuda.set_sync_debug_mode("error")``: any device-to-host sync raises and is recorded with its op;
+5b. QLoRA: a 4-bit bitsandbytes model per family, ``prepare_model_for_kbit_training``, LoRA on every linear
+   layer, patched: graphs and breaks in train mode, compiles over 4 varied batches, compiled loss and LoRA
+   gradients against eager (``lora.py``; without bitsandbytes the reason is the finding);
 6. long rows: rows near the int32 limits the bugs name (mamba #1015/#1036, causal-conv1d #114; fla and flash-attn
    index in int64), where memory allows, each in a child process: the last document of a long row vs the same
    document alone, on the guarded path just below and just above the limit and on the library alone above it;
@@ -50,13 +53,14 @@ import compilepack
 from .common import Budget, HEADLINE, environment, guarded
 from .compiles import check_family, check_recompiles
 from .long_rows import PROBES, check_long_rows
+from .lora import check_qlora
 from .ops import check_known_bugs, check_layouts, check_ops
 from .sequence import check_sequence_ops
 from .speed import measure_speed
 
 
 # the sections in the order a full run takes them (the ops first: every later section builds on the kernels)
-SECTIONS = ("ops", "layouts", "known_bugs", "recompiles", "sequence_ops", "families", "long_rows", "speed")
+SECTIONS = ("ops", "layouts", "known_bugs", "recompiles", "sequence_ops", "families", "qlora", "long_rows", "speed")
 
 
 def _probe_main(name: str, out: str) -> int:
@@ -104,6 +108,7 @@ def main(argv=None) -> int:
         "sequence_ops": lambda: budget.run(40, lambda: check_sequence_ops(device, dtype, args.smoke), {}),
         "families": lambda: [budget.run(60, lambda n=n: check_family(n, device, dtype, args.smoke, backend),
                                         {"family": n}) for n in names],
+        "qlora": lambda: [budget.run(60, lambda n=n: check_qlora(n, device, backend), {"family": n}) for n in names],
         "long_rows": lambda: check_long_rows(device, budget),
         "speed": lambda: [budget.run(45, lambda n=n: measure_speed(n, device, dtype, steps, tokens, backend,
                                                                    args.smoke), {"family": n}) for n in names],
