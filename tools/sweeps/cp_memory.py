@@ -8,8 +8,9 @@ each kind, the real vocabulary, fp32, random weights, as ``trainer_rows``), one 
 ``ContextParallel.sequence_parallel`` over the W processes of one ``torchrun``, each rank on its ``T / W`` slice
 (``shard_batch``), the gradients summed (``all_reduce_gradients``), one SGD step.
 
-Measured per rank: the peak resident memory (``VmHWM``) after the step, the memory once the model is built
-(weights, before the step), and the step's wall time (the ranks share the machine's cores: on 2 cores W ranks
+Measured per rank: the memory resident once the model is built and patched (``VmRSS``: weights and imports;
+the peak is then restarted, since building peaks above what it keeps), the peak resident memory (``VmHWM``) of the
+step, and the step's wall time (the ranks share the machine's cores: on 2 cores W ranks
 do not run W times faster). The largest rank's figures are reported. A point whose processes pass
 ``--memory-limit`` GB together is stopped and reported as out of memory with the figure where it stopped.
 
@@ -132,7 +133,8 @@ def _child(point: dict) -> None:
         dist.init_process_group("gloo")
         cp = ContextParallel.sequence_parallel(dist.group.WORLD)
     compilepack.patch(model, context_parallel=cp, lm_head=lm_head)
-    model_gb = sweep.vm_hwm_gb()
+    model_gb = sweep.vm_rss_gb()  # what the built model keeps resident, its weights and the imports
+    sweep.reset_peak_memory()  # the peak below is the step's, not the model's initialisation's
     started = time.monotonic()
     _step(model, _batch(point, model.config.get_text_config().vocab_size), cp)
     result = {"rank": dist.get_rank() if cp else 0, "peak_gb": sweep.vm_hwm_gb(), "model_gb": model_gb,
@@ -171,7 +173,7 @@ def _step(model, batch: dict, cp) -> None:
 
 
 def markdown(report: dict) -> str:
-    lines = ["| family | tokens | W | LM head | peak per rank GB | model built GB | step peak GB (peak - model) | "
+    lines = ["| family | tokens | W | LM head | peak per rank GB | model resident GB | step peak GB (peak - model) | "
              "cost model, mixers GB | step s |", "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     for p in report["measurements"]:
         start = f"| {p['family']} | {p['tokens']:,} | {p['world']} | {p['head']} |"

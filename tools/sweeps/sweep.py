@@ -109,9 +109,25 @@ def failure(returncode: int, output: str) -> dict:
 
 def vm_hwm_gb() -> float:
     """This process's peak resident memory (``VmHWM``), GB."""
+    return _status_gb("VmHWM")
+
+
+def vm_rss_gb() -> float:
+    """This process's resident memory now (``VmRSS``), GB."""
+    return _status_gb("VmRSS")
+
+
+def reset_peak_memory() -> None:
+    """Restart ``VmHWM`` from the resident memory now (Linux's ``clear_refs`` 5), so that the peak read next is the
+    peak of what runs from here: building a model peaks above what it keeps (initialisation's temporaries)."""
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+
+
+def _status_gb(key: str) -> float:
     with open("/proc/self/status") as status:
         for line in status:
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{key}:"):
                 return round(int(line.split()[1]) * 1024 / 1e9, 2)
     return float("nan")
 
