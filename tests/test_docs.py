@@ -126,3 +126,43 @@ def test_blocks_not_run_say_why():
             assert match.group("rest").startswith(": ") and len(match.group("rest").strip(": ")) > 8, (
                 f"{path.name}: a skipped block must say why: {match.group(0)}"
             )
+
+
+LINK = re.compile(r"\]\((?P<target>[^)\s]+?)\)")
+
+
+def anchors(path: Path) -> set[str]:
+    """GitHub's heading anchors of a markdown file: lower case, punctuation but ``-`` and ``_`` dropped, spaces to
+    ``-`` (code spans and fenced blocks skipped)."""
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    headings = re.findall(r"^#+ (.+)$", text, flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-") for heading in headings}
+
+
+def broken_links(path: Path) -> list[str]:
+    """The relative links of ``path`` whose file or heading anchor does not exist."""
+    broken = []
+    for match in LINK.finditer(re.sub(r"```.*?```", "", path.read_text(), flags=re.S)):
+        target = match.group("target")
+        if re.match(r"[a-z]+:", target):  # https:, mailto:
+            continue
+        file, _, anchor = target.partition("#")
+        resolved = (path.parent / file).resolve() if file else path
+        if not resolved.exists():
+            broken.append(f"{target}: no file {file}")
+        elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
+            broken.append(f"{target}: no heading #{anchor} in {resolved.name}")
+    return broken
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_and_anchor_resolves(path):
+    assert broken_links(path) == []
+
+
+def test_a_broken_anchor_is_reported(tmp_path):
+    """The control: a link to a missing heading and one to a missing file are both caught."""
+    (tmp_path / "other.md").write_text("# A title, with `code`\n")
+    page = tmp_path / "page.md"
+    page.write_text("[ok](other.md#a-title-with-code) [bad](other.md#no-such) [gone](missing.md)\n")
+    assert broken_links(page) == ["other.md#no-such: no heading #no-such in other.md", "missing.md: no file missing.md"]

@@ -181,8 +181,8 @@ def test_dora_breaks_in_peft_code_stock_and_patched_alike(checkpointing):
     assert counts[True][:2] == counts[False][:2], counts
 
 
-@pytest.mark.slow  # 28-55 s each: dozens of graphs
-@pytest.mark.parametrize("family_name", FAMILIES)
+@pytest.mark.slow  # 28-30 s each: dozens of graphs (qwen3_5: 55 s, and DoRA's breaks are PEFT's, not the mixers')
+@pytest.mark.parametrize("family_name", ["llama", "bamba"])
 def test_dora_compiled_grads_equal_eager(family_name):
     """DoRA compiled as a trainer would without fullgraph (its breaks split the graph): LoRA and magnitude
     gradients equal eager's on a packed batch."""
