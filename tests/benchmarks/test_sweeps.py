@@ -5,6 +5,7 @@ memory (not a crash of the sweep)."""
 from __future__ import annotations
 
 import csv
+import math
 import pathlib
 import re
 
@@ -87,3 +88,29 @@ def test_a_point_past_the_memory_limit_is_reported_out_of_memory(monkeypatch):
     table = trainer_rows.markdown(report)
     assert "| hf | qwen3_5 | 4,096 | stock | out of memory | > 0.5 |" in table
     assert "| hf | qwen3_5 | 4,096 | chunked | 12.5 | 6.1 | 20% | 20% | 20% | 20% | 20% |" in table
+
+
+def test_cp_memory_narrow_keeps_the_mixers_release_widths_and_says_so():
+    """``--narrow`` cuts only the vocabulary and the MLP: every mixer weight keeps its release shape, and every output
+    names the point as narrow (a reader never takes it for the release)."""
+    import torch
+    import transformers
+
+    from tools.sweeps import cp_memory
+
+    def shapes(narrow: bool) -> dict:
+        config = cp_memory.config_of({"family": "bamba", "narrow": narrow})
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+    release, narrow = shapes(False), shapes(True)
+    mixers = [name for name in release if ".mamba." in name or ".self_attn." in name]
+    assert mixers and all(narrow[name] == release[name] for name in mixers)
+    assert narrow["lm_head.weight"] == (cp_memory.NARROW_VOCAB, release["lm_head.weight"][1])
+    parameters = lambda shapes: sum(map(math.prod, shapes.values()))  # noqa: E731
+    assert parameters(narrow) < parameters(release) / 3  # 0.43 B against 1.55 B
+    point = {"family": "bamba", "narrow": True, "tokens": 8192, "world": 2, "head": "chunked", "status": "ok",
+             "peak_gb": 5.0, "model_gb": 2.0, "predicted_mixers_gb": 0.5, "step_s": 10.0}
+    assert "| bamba (narrow) |" in cp_memory.markdown({"measurements": [point]})
+    assert cp_memory._line(point).startswith("bamba (narrow)")

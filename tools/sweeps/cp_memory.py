@@ -18,6 +18,11 @@ The cost model (``compilepack.distributed.cost.mixer_memory``, fp32 here) predic
 rank, not the per-token layers nor the LM head: the table puts it beside the measured step peak (peak minus the
 built model).
 
+``--narrow``: the mixers (attention, the linear mixers) at the release's widths, the vocabulary cut to
+``NARROW_VOCAB`` and the MLP to ``NARROW_MLP`` wide, so that the weights of a release too large for W copies on one
+machine (Bamba-9B's 1.55 B parameters at one layer of each kind) leave room for the activations that context
+parallelism splits; every output names such points ``family (narrow)``.
+
 Writes ``cp-memory-cpu-<date>.json``, ``.md`` and ``.png`` to ``benchmarks/results`` (the points under
 ``measurements``: ``benchmarks.history`` reads a ``points`` report as the long-rows sweep's).
 """
@@ -38,6 +43,7 @@ FAMILIES = ("qwen3_5", "bamba")
 ROWS = (8192, 16384, 32768)
 WORLDS = (1, 2, 4)
 HEADS = ("stock", "chunked")
+NARROW_VOCAB, NARROW_MLP = 32_000, 1_024
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
         for head in args.heads.split(","):
             for tokens in sweep.numbers(args.rows):
                 for world in sweep.numbers(args.worlds):
-                    point = {"family": family, "tokens": tokens, "world": world, "head": head, "docs": args.docs}
+                    point = {"family": family, "tokens": tokens, "world": world, "head": head, "docs": args.docs,
+                             "narrow": args.narrow}
                     points.append({**point, **_run_point(point, args.memory_limit, args.point_timeout)})
                     print(_line(points[-1]), flush=True)
     out, stem = pathlib.Path(args.out), f"cp-memory-cpu-{sweep.today()}"
@@ -67,7 +74,23 @@ def _parser():
     parser.add_argument("--worlds", default=",".join(map(str, WORLDS)), help="processes (default: %(default)s)")
     parser.add_argument("--heads", default=",".join(HEADS), help="stock, chunked (default: %(default)s)")
     parser.add_argument("--docs", type=int, default=8, help="documents per packed row (default: 8)")
+    parser.add_argument("--narrow", action="store_true",
+                        help=f"the mixers at released widths, vocabulary {NARROW_VOCAB:,}, MLP {NARROW_MLP:,} wide")
     return parser
+
+
+def config_of(point: dict):
+    """The point's model config: the release's widths, or with ``narrow`` its vocabulary and MLP cut."""
+    config = sweep.real_config(point["family"])
+    if point.get("narrow"):
+        text = config.get_text_config()
+        text.vocab_size = NARROW_VOCAB
+        text.intermediate_size = NARROW_MLP
+    return config
+
+
+def name_of(point: dict) -> str:
+    return f"{point['family']} (narrow)" if point.get("narrow") else point["family"]
 
 
 # ------------------------------------------------------------------------------------------------ the parent
@@ -96,14 +119,14 @@ def _predicted_gb(point: dict) -> float:
     """The cost model's mixers' activations per rank (fp32), summed over the model's layers."""
     from compilepack.distributed.cost import Cluster, mixer_memory, mixers_of
 
-    config = sweep.real_config(point["family"])
+    config = config_of(point)
     fp32 = Cluster(activation_bytes=4)
     return round(sum(mixer_memory(m, "sequence", point["world"], point["tokens"], cluster=fp32)
                      for m in mixers_of(config)) / 1e9, 3)
 
 
 def _line(point: dict) -> str:
-    head = f"{point['family']:<8} T={point['tokens']:>6} W={point['world']} {point['head']:<8}"
+    head = f"{name_of(point):<8} T={point['tokens']:>6} W={point['world']} {point['head']:<8}"
     if point["status"] != "ok":
         return (f"{head} {point['status']} {point.get('peak_gb', '')} {point.get('stopped_at_rank_gb', '')} "
                 f"{point.get('error', '')}")
@@ -125,7 +148,7 @@ def _child(point: dict) -> None:
     torch.set_num_threads(1)
     world = point["world"]
     lm_head = "chunked" if point["head"] == "chunked" else None
-    model = transformers.AutoModelForCausalLM.from_config(sweep.real_config(point["family"])).train()
+    model = transformers.AutoModelForCausalLM.from_config(config_of(point)).train()
     cp = None
     if world > 1:
         from compilepack.distributed import ContextParallel
@@ -176,7 +199,7 @@ def markdown(report: dict) -> str:
     lines = ["| family | tokens | W | LM head | peak per rank GB | model resident GB | step peak GB (peak - model) | "
              "cost model, mixers GB | step s |", "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
     for p in report["measurements"]:
-        start = f"| {p['family']} | {p['tokens']:,} | {p['world']} | {p['head']} |"
+        start = f"| {name_of(p)} | {p['tokens']:,} | {p['world']} | {p['head']} |"
         if p["status"] != "ok":
             largest = f"; largest rank {p['stopped_at_rank_gb']} GB" if "stopped_at_rank_gb" in p else ""
             at = p.get("stopped_at_gb", p.get("peak_gb"))  # runs before 2026-12-05 named it stopped_at_gb
@@ -193,7 +216,7 @@ def draw(report: dict, path: pathlib.Path) -> None:
     series = {}
     for p in report["measurements"]:
         if p["status"] == "ok":
-            label = f"{p['family']}, {p['head']} head, {p['tokens'] // 1024}k tokens"
+            label = f"{name_of(p)}, {p['head']} head, {p['tokens'] // 1024}k tokens"
             series.setdefault(label, []).append((p["world"], p["peak_gb"]))
     sweep.panels(path, "Per-rank peak memory of one training step, smallest released widths",
                  [{"series": series, "ylabel": "peak memory per rank (GB)", "logx": False,
