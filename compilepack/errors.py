@@ -28,5 +28,11 @@ class ContextParallelError(CompilepackError, ValueError):
 
 
 class KernelVersionError(CompilepackError, ValueError):
-    """A kernel library installed below its floor (``compilepack.ops.backends.FLOORS``) would be used: upgrade it, or
-    choose another backend."""
+    """A kernel library asked for by name is refused on this machine (below its floor,
+    ``compilepack.ops.backends.FLOORS``, or known wrong on this GPU and compiler): upgrade it, or choose another
+    backend."""
+
+
+class KernelSkippedWarning(UserWarning):
+    """``backend="auto"`` passed over an installed kernel library that compilepack refuses on this machine, and runs
+    the next admitted one; the message names each, why, and the fix."""

@@ -5,8 +5,9 @@ uses the library named here when it is installed. Libraries are imported lazily,
 compilepack never imports a CUDA-only package.
 
 A library older than its floor (``FLOORS``: the oldest release without a reported varlen bug that compilepack
-cannot guard against, see docs/kernels.md) is refused when it would be chosen, with the version found and the fix.
-Its version is read from the installed package's metadata, without importing it.
+cannot guard against, see docs/kernels.md), or one known to be wrong on this GPU and compiler, is refused: skipped
+with a warning under ``"auto"``, an error when asked for by name. Only the op kinds a model's family uses are
+resolved and checked. Versions are read from installed packages' metadata, without importing them.
 """
 
 from __future__ import annotations
@@ -16,13 +17,17 @@ import functools
 import importlib
 import importlib.metadata
 import importlib.util
+import os
+import shutil
 import sys
 import warnings
+from collections.abc import Iterable
+from pathlib import Path
 from types import ModuleType
 
 from packaging.version import InvalidVersion, Version
 
-from ..errors import KernelVersionError
+from ..errors import KernelSkippedWarning, KernelVersionError
 
 REFERENCE = "reference"
 
@@ -77,12 +82,12 @@ FLOORS: dict[str, Floor] = {
         "the chunk-scan backward before 2.2.3 gives wrong gradients or illegal memory accesses (mamba #537)",
         "pip install -U 'mamba-ssm>=2.2.3'",
     ),
-    # seen on the lent H200 (2026-12-04): torch 2.11's op takes 10 arguments, and the call failed on every layout
+    # torch 2.10's ops take no scale and no window; each later release's own signature is called (torch_varlen.py)
     "torch_varlen": Floor(
-        ("torch",), "2.13.0",
-        "the private ops torch.ops.torch_attn._varlen_attn / _varlen_attn_backward take the window and GQA "
-        "arguments compilepack passes from torch 2.13 (torch 2.11's forward takes 10 arguments)",
-        "pip install -U 'torch>=2.13'",
+        ("torch",), "2.11.0",
+        "the private ops torch.ops.torch_attn._varlen_attn / _varlen_attn_backward take the scale and window "
+        "compilepack passes from torch 2.11",
+        "pip install -U 'torch>=2.11'",
     ),
 }
 
@@ -90,12 +95,6 @@ FLOORS: dict[str, Floor] = {
 # raises there, at the first backward, unless tilelang is installed; compilepack refuses it at patch() time instead
 # (seen on the lent H200, 2026-12-04: Triton 3.6.0, every gated-delta-rule layout refused by fla in the backward)
 _FLA_HOPPER_TRITON = (Version("3.4.0"), Version("3.7.1"))
-
-
-def _without(kind: str, backend: str) -> str:
-    """How to run op kind ``kind`` without ``backend``: the next candidate (named in refusals)."""
-    candidates = CANDIDATES[kind]
-    return candidates[candidates.index(backend) + 1]
 
 
 # old names -> new names, accepted with a DeprecationWarning: op kinds in ``backend={...}``, ``Backends`` keywords
@@ -170,43 +169,108 @@ def installed_version(backend: str) -> str | None:
     return None
 
 
-def check_floor(backend: str, kind: str) -> None:
-    """Refuse ``backend`` for op kind ``kind`` when its installed release is older than its floor, or unknown."""
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """Why ``backend`` cannot run op kind ``kind`` on this machine, and the fix on the library's side."""
+
+    kind: str
+    backend: str
+    why: str  # what was found and what compilepack needs
+    fix: str  # the install that fixes it
+
+    def describe(self) -> str:
+        return f"{self.backend} for {self.kind!r}: {self.why}. Fix: {self.fix}"
+
+
+def refusal(backend: str, kind: str) -> Refusal | None:
+    """Why ``backend`` is refused for ``kind`` here (below its floor, or wrong on this GPU and compiler); None when
+    it is admitted. Read from package metadata and the first CUDA device, never by importing the library."""
+    return _below_floor(backend, kind) or _wrong_on_this_platform(backend, kind)
+
+
+def _below_floor(backend: str, kind: str) -> Refusal | None:
     floor = FLOORS.get(backend)
     if floor is None:
-        return
+        return None
     found = installed_version(backend)
     try:
         admitted = found is not None and Version(found) >= Version(floor.version)
     except InvalidVersion:
         admitted = False
     if admitted:
-        return
+        return None
     seen = f"{floor.distributions[0]} {found} is installed" if found else (
         f"the version of the installed {backend} cannot be read (no {floor.distributions[0]} package metadata)")
-    raise KernelVersionError(
-        f"compilepack refuses {backend} for {kind!r} on CUDA: {seen}, and compilepack needs "
-        f"{floor.distributions[0]} >= {floor.version} ({floor.why}). Fix: {floor.upgrade}, or run without it: "
-        f"compilepack.patch(model, backend={{{kind!r}: {_without(kind, backend)!r}}}). See docs/kernels.md."
-    )
+    return Refusal(kind, backend, f"{seen}, and compilepack needs {floor.distributions[0]} >= {floor.version} "
+                   f"({floor.why})", floor.upgrade)
+
+
+def _wrong_on_this_platform(backend: str, kind: str) -> Refusal | None:
+    """fla's gated backward on Hopper with Triton 3.4 to 3.7.0 (fla #640), where fla itself would raise: that is,
+    unless fla's TileLang kernel replaces the Triton one (:func:`fla_tilelang_runs`)."""
+    if backend != "fla" or _cuda_capability_major() != 9 or fla_tilelang_runs():
+        return None
+    triton = _distribution_version("triton")
+    low, high = _FLA_HOPPER_TRITON
+    if triton is None or not low <= triton < high:
+        return None
+    return Refusal(kind, backend, (
+        f"Triton {triton} is installed, and fla's gated backward (chunk_bwd_dqkwg, used by the gated delta rule) is "
+        f"wrong with Triton >= {low} and < {high} on Hopper (fla #640; fla raises at the first backward), and fla's "
+        f"TileLang replacement of it does not run here ({_why_no_tilelang()})"
+    ), f"pip install -U 'torch>=2.12.1' (it pins Triton {high}), or make fla's TileLang kernel run ({_TILELANG_FIX})")
+
+
+_TILELANG_FIX = "pip install tilelang, with nvcc on PATH or CUDA_HOME set, FLA_TILELANG and " \
+    "FLA_DISABLE_BACKEND_DISPATCH unset"
+
+
+def fla_tilelang_runs() -> bool:
+    """Whether fla 0.6 dispatches its gated backward to TileLang instead of the Triton kernel #640 breaks: the
+    condition fla itself checks (``fla/backends.py``: ``TileLangBackend.is_available`` and ``is_enabled``, and the
+    dispatch switch), read without importing fla."""
+    return _why_no_tilelang() is None
+
+
+def _why_no_tilelang() -> str | None:
+    if os.environ.get("FLA_DISABLE_BACKEND_DISPATCH") == "1":
+        return "FLA_DISABLE_BACKEND_DISPATCH=1 bypasses fla's backends"
+    if os.environ.get("FLA_TILELANG") == "0":
+        return "FLA_TILELANG=0 turns it off"
+    if not is_importable("tilelang"):
+        return "tilelang is not installed"
+    if not has_usable_nvcc():
+        return "tilelang is installed, but no nvcc is found for its JIT"
+    return None
+
+
+def has_usable_nvcc() -> bool:
+    """Where fla 0.6's ``has_usable_nvcc`` (``fla/utils/env.py``) finds an nvcc for TileLang's JIT, in its order:
+    ``$CUDA_HOME/bin`` or ``$CUDA_PATH/bin``, ``PATH``, the ``nvidia-cuda-nvcc`` wheel, ``/usr/local/cuda/bin``."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home is not None and _is_file(Path(home) / "bin" / "nvcc"):
+        return True
+    if shutil.which("nvcc") is not None:
+        return True
+    try:
+        files = importlib.metadata.files("nvidia-cuda-nvcc") or []
+    except importlib.metadata.PackageNotFoundError:
+        files = []
+    return any(f.name == "nvcc" for f in files) or _is_file(Path("/usr/local/cuda/bin/nvcc"))
+
+
+def _is_file(path: Path) -> bool:
+    return path.exists()
+
+
+def check_floor(backend: str, kind: str) -> None:
+    """Raise :class:`KernelVersionError` when ``backend``'s installed release is older than its floor, or unknown."""
+    _raise_refused([r for r in [_below_floor(backend, kind)] if r])
 
 
 def check_platform(backend: str, kind: str) -> None:
-    """Refuse ``backend`` where the library is known to be wrong on this machine's GPU and compiler (fla's gated
-    backward on Hopper with Triton 3.4 to 3.7.0, fla #640), read from the first visible CUDA device; nothing to check
-    without CUDA."""
-    if backend != "fla" or not _cuda_capability_major() == 9 or is_importable("tilelang"):
-        return
-    triton = _distribution_version("triton")
-    low, high = _FLA_HOPPER_TRITON
-    if triton is not None and low <= triton < high:
-        raise KernelVersionError(
-            f"compilepack refuses fla for {kind!r} on this Hopper GPU: Triton {triton} is installed, and fla's gated "
-            f"backward (chunk_bwd_dqkwg, used by the gated delta rule) is wrong with Triton >= {low} and < {high} on "
-            f"Hopper (fla #640; fla raises at the first backward). Fix: pip install -U 'triton>={high}' (with a torch "
-            "built for it), or pip install tilelang, or run without fla: "
-            f"compilepack.patch(model, backend={{{kind!r}: {_without(kind, backend)!r}}}). See docs/kernels.md."
-        )
+    """Raise :class:`KernelVersionError` where ``backend`` is known to be wrong on this GPU and compiler."""
+    _raise_refused([r for r in [_wrong_on_this_platform(backend, kind)] if r])
 
 
 def _cuda_capability_major() -> int | None:
@@ -231,42 +295,106 @@ def _distribution_version(distribution: str) -> Version | None:
         return None
 
 
-def resolve(backend: str | dict[str, str] | Backends = "auto") -> Backends:
-    """Turn the user's ``backend=`` argument into a :class:`Backends`.
+def resolve(backend: str | dict[str, str] | Backends = "auto", kinds: Iterable[str] | None = None) -> Backends:
+    """Turn the user's ``backend=`` argument into a :class:`Backends`, for the op kinds ``kinds`` (those a model's
+    family uses; None: every kind). Kinds outside ``kinds`` stay on the reference and are never checked: a model is
+    not refused for an op it does not run.
 
-    ``"auto"`` picks, per op kind, the first installed candidate; ``"reference"`` forces the pure-torch
-    reference everywhere; a dict overrides single kinds (``{"attention": "torch_varlen"}``), the rest auto.
-    A chosen library installed below its floor (``FLOORS``) raises :class:`KernelVersionError`, auto or not: an
-    old kernel is never used silently, and never silently swapped for another.
+    ``"auto"`` picks, per op kind, the first installed candidate that compilepack admits here; a candidate it refuses
+    (``refusal``: below its floor, or wrong on this GPU) is skipped, with one :class:`KernelSkippedWarning` naming
+    every skipped one, why, and the fix. ``"reference"`` forces the pure-torch reference everywhere; a dict names
+    single kinds (``{"attention": "torch_varlen"}``), the rest auto. A library named explicitly that compilepack
+    refuses raises :class:`KernelVersionError`, one error naming every refused kind: an old or broken kernel is
+    never used silently, and one asked for is never silently swapped for another.
     """
     if isinstance(backend, Backends):
         return backend
     if backend == REFERENCE:
         return Backends()
-    overrides: dict[str, str] = {}
-    if isinstance(backend, dict):
-        overrides = {_current_kind(kind): name for kind, name in backend.items()}
-    elif backend != "auto":
+    used = tuple(CANDIDATES) if kinds is None else tuple(dict.fromkeys(kinds))
+    overrides = _overrides(backend)
+    chosen, refused, skipped = {}, [], []
+    for kind in used:
+        if kind in overrides:
+            chosen[kind] = overrides[kind]
+            refused += [r for r in [refusal(overrides[kind], kind)] if r]
+        else:
+            chosen[kind], passed_over = best_admitted(kind)
+            skipped += passed_over
+    _raise_refused(refused)
+    if skipped:
+        _warn_once(_skipped_message(skipped, chosen))
+    return Backends(**chosen)
+
+
+def _overrides(backend: str | dict[str, str]) -> dict[str, str]:
+    """``backend=``'s per-kind choices, each checked to be a candidate of a known kind and installed."""
+    if backend == "auto":
+        return {}
+    if not isinstance(backend, dict):
         raise ValueError(
             f"backend={backend!r} is not understood: expected 'auto', 'reference', a dict such as "
             f"{{'attention': 'torch_varlen'}}, or a compilepack.ops.backends.Backends."
         )
-    chosen = {}
-    for kind, candidates in CANDIDATES.items():
-        if kind in overrides:
-            name = overrides.pop(kind)
-            if name not in candidates:
-                raise ValueError(f"backend for {kind!r} must be one of {candidates}, got {name!r}.")
-            if not is_installed(name):
-                raise ValueError(f"backend {name!r} for {kind!r} is not installed; install it or use 'auto'.")
-            chosen[kind] = name
-        else:
-            chosen[kind] = next(name for name in candidates if is_installed(name))
-        check_floor(chosen[kind], kind)
-        check_platform(chosen[kind], kind)
-    if overrides:
-        raise ValueError(f"unknown op kinds in backend=: {sorted(overrides)}; expected {sorted(CANDIDATES)}.")
-    return Backends(**chosen)
+    overrides = {_current_kind(kind): name for kind, name in backend.items()}
+    unknown = sorted(set(overrides) - set(CANDIDATES))
+    if unknown:
+        raise ValueError(f"unknown op kinds in backend=: {unknown}; expected {sorted(CANDIDATES)}.")
+    for kind, name in overrides.items():
+        if name not in CANDIDATES[kind]:
+            raise ValueError(f"backend for {kind!r} must be one of {CANDIDATES[kind]}, got {name!r}.")
+        if not is_installed(name):
+            raise ValueError(f"backend {name!r} for {kind!r} is not installed; install it or use 'auto'.")
+    return overrides
+
+
+def best_admitted(kind: str, after: str | None = None) -> tuple[str, list[Refusal]]:
+    """The first installed candidate for ``kind`` (past ``after`` when given) that compilepack admits here, and the
+    installed ones it refused on the way. The reference is always admitted."""
+    candidates = CANDIDATES[kind]
+    start = 0 if after is None else candidates.index(after) + 1
+    passed_over = []
+    for name in candidates[start:]:
+        if not is_installed(name):
+            continue
+        refused = refusal(name, kind)
+        if refused is None:
+            return name, passed_over
+        passed_over.append(refused)
+    raise AssertionError(f"no admitted backend for {kind!r}")  # unreachable: the reference is last
+
+
+def _raise_refused(refused: list[Refusal]) -> None:
+    if not refused:
+        return
+    instead = {r.kind: best_admitted(r.kind, after=r.backend)[0] for r in refused}
+    libraries = "a kernel library" if len(refused) == 1 else f"{len(refused)} kernel libraries"
+    raise KernelVersionError(
+        f"compilepack refuses {libraries} asked for on this machine (CUDA): "
+        + "; ".join(r.describe() for r in refused)
+        + f". Or run without {'it' if len(refused) == 1 else 'them'}: compilepack.patch(model, backend={instead!r}). "
+        "See docs/kernels.md."
+    )
+
+
+def _skipped_message(skipped: list[Refusal], chosen: dict[str, str]) -> str:
+    parts = [f"{r.describe()} (runs {chosen[r.kind]!r} instead)" for r in skipped]
+    settle = {r.kind: chosen[r.kind] for r in skipped}
+    return (
+        "compilepack skipped kernel libraries it refuses on this machine (CUDA): " + "; ".join(parts)
+        + f". To choose this explicitly (and silence this warning): compilepack.patch(model, backend={settle!r}). "
+        "See docs/kernels.md."
+    )
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """One warning per distinct message in a process: every patch() of every model would otherwise repeat it."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, KernelSkippedWarning, stacklevel=4)
 
 
 def _current_kind(kind: str) -> str:

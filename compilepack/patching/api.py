@@ -86,7 +86,9 @@ def patch(
             wrapper of one (PEFT).
         backend: ``"auto"`` (on CUDA, the best installed kernel library per op), ``"reference"`` (pure torch
             everywhere), or per-op overrides such as ``{"attention": "torch_varlen"}``. On CPU the pure-torch
-            references always run.
+            references always run. Only the op kinds the model's family runs are resolved and checked: ``"auto"``
+            skips a library compilepack refuses here with one ``KernelSkippedWarning``; one named in a dict is
+            refused with ``KernelVersionError``.
         context_parallel: a process group (or 1-D DeviceMesh) to run Ulysses context parallelism over: each rank
             holds ``1 / W`` of every packed row (``compilepack.distributed.shard_batch``) and every sequence mixer
             runs head-parallel on the whole rows between two all-to-alls. Or a
@@ -108,14 +110,15 @@ def patch(
         UnsupportedModelError: no compilepack family for ``model.config.model_type``.
         IncompatibleTransformersError: the installed transformers lacks what the patch replaces.
         PatchConflictError: ``model`` is already compiled, or another tool replaced a forward.
+        KernelVersionError: a kernel library named in ``backend`` is refused on this machine (all named at once).
     """
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule):
         raise PatchConflictError(
             "the model is already compiled: call compilepack.patch(model) first, then torch.compile(model)."
         )
     _check_extensions(lm_head=lm_head)
-    chosen = _backends.resolve(backend)
     family = family_of(model)
+    chosen = _backends.resolve(backend, kinds=family.op_kinds)
     if context_parallel is not None:
         chosen = _with_context_parallel(model, family, chosen, context_parallel)
     forwards = family.forwards(chosen)

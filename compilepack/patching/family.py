@@ -153,6 +153,11 @@ class Family:
         return "; ".join([*dict.fromkeys(texts), *note])
 
     @property
+    def op_kinds(self) -> tuple[str, ...]:
+        """The op kinds whose CUDA backend this family's layers run (``Backends`` fields), in declaration order."""
+        return tuple(dict.fromkeys(kind for needed in self.layers.values() for r in needed for kind in r.kinds))
+
+    @property
     def served_model_types(self) -> tuple[str, ...]:
         return self.model_types or (self.name,)
 

@@ -59,6 +59,9 @@ class Replacement:
     # a fused kernel a release may drop (transformers 5.25's FalconMamba has no ``mamba_inner_fn`` path): a forward
     # that no longer loads it has nothing to replace
     optional: bool = False
+    # the op kinds whose CUDA backend its ops run (``Backends`` fields): patch() resolves and checks only the kinds a
+    # family's replacements name, so no model is refused for a kernel library it would never call
+    kinds: tuple[str, ...] = ()
 
 
 # ------------------------------------------------------------------------------------------------ attention
@@ -156,7 +159,7 @@ def _refuse_unsupported_attention(module, kwargs) -> None:
 ATTENTION = Replacement(
     "ALL_ATTENTION_FUNCTIONS", lambda stock, b: PackedAttentionFunctions(stock, b.attention, b.cp_group),
     kernels="attention: flash-attn varlen, else torch varlen_attn (CPU: per-document flash kernel)",
-    runs_sharded=True,
+    runs_sharded=True, kinds=("attention",),
 )
 
 
@@ -203,6 +206,7 @@ def _make_causal_conv1d(stock: Callable, backends: Backends) -> Callable:
 CAUSAL_CONV1D = Replacement(
     "causal_conv1d_fn", _make_causal_conv1d, ("hidden_states", "weight", "bias", "activation"),
     kernels="conv: causal-conv1d causal_conv1d_fn(seq_idx)", runs_sharded=True, via=("causal_conv1d_forward",),
+    kinds=("conv",),
 )
 
 
@@ -247,7 +251,7 @@ def _delta_rule(
         return chunk_delta_rule
 
     expected = ("query", "key", "value", "g", "beta", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel")
-    return Replacement(global_name, make, expected, kernels, runs_sharded=True)
+    return Replacement(global_name, make, expected, kernels, runs_sharded=True, kinds=("delta_rule",))
 
 
 # Gated DeltaNet's delta rule; its layers pass the boundaries as ``cu_seqlens``.
@@ -298,6 +302,7 @@ MAMBA2_CHUNK_SCAN = Replacement(
     _make_mamba2_chunk_scan,
     ("hidden_states", "dt", "A", "B", "C", "chunk_size", "D", "dt_bias", "initial_states", "dt_softplus", "dt_limit"),
     kernels="scan: mamba-ssm mamba_chunk_scan_combined(seq_idx)", runs_sharded=True, via=("mamba2_scan_forward",),
+    kinds=("ssd",),
 )
 
 

@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import tomllib
 import types
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
+import compilepack
+from compilepack import KernelSkippedWarning
 from compilepack.ops import backends
+from compilepack.patching import family_named
+from compilepack.patching.api import patch_state
 from compilepack.ops.attention import flash_attn, torch_varlen, varlen_attention
 from compilepack.ops.causal_conv1d import causal_conv1d_kernel, causal_conv1d_varlen
 from compilepack.ops.mamba2 import mamba2_chunk_scan_varlen, mamba_ssm
@@ -26,6 +31,7 @@ from tests.ops.fakes.causal_conv1d import MODULES, FakeCausalConv1d
 from tests.ops.fakes.flash_attn import FakeFlashAttn
 from tests.ops.fakes.mamba_ssm import FakeSSD
 from tests.ops.fakes.torch_varlen import FakeTorchVarlen
+from tests.families import build_tiny
 from tests.strategies import cu_seqlens_of, seq_idx_of
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -251,22 +257,26 @@ def _installed(monkeypatch, versions: dict[str, str | None]):
                         lambda name: versions[name] if name in versions else backends.FLOORS[name].version)
 
 
-@pytest.mark.parametrize(("backend", "kind", "old", "floor"), [
-    ("flash_attn", "attention", "2.6.3", "2.7.0"),
-    ("causal_conv1d", "conv", "1.5.0.post8", "1.5.1"),
-    ("fla", "delta_rule", "0.5.2", "0.6.0"),
-    ("mamba_ssm", "ssd", "2.2.2", "2.2.3"),
-    ("torch_varlen", "attention", "2.11.0+cu130", "2.13.0"),
+@pytest.mark.parametrize(("backend", "kind", "old", "floor", "instead"), [
+    ("flash_attn", "attention", "2.6.3", "2.7.0", "torch_varlen"),
+    ("causal_conv1d", "conv", "1.5.0.post8", "1.5.1", backends.REFERENCE),
+    ("fla", "delta_rule", "0.5.2", "0.6.0", backends.REFERENCE),
+    ("mamba_ssm", "ssd", "2.2.2", "2.2.3", backends.REFERENCE),
+    ("torch_varlen", "attention", "2.10.0+cu128", "2.11.0", backends.REFERENCE),
 ])
-def test_a_library_below_its_floor_is_refused(monkeypatch, backend, kind, old, floor):
+def test_a_library_below_its_floor_is_refused_by_name_and_skipped_by_auto(monkeypatch, backend, kind, old, floor,
+                                                                          instead):
     _installed(monkeypatch, {backend: old})
     distribution = backends.FLOORS[backend].distributions[0]
-    for argument in ("auto", {kind: backend}):
-        with pytest.raises(backends.KernelVersionError) as refusal:
-            backends.resolve(argument)
-        message = str(refusal.value)
-        assert f"{distribution} {old} is installed" in message and f"{distribution} >= {floor}" in message
-        assert "pip install -U" in message and f"backend={{{kind!r}:" in message
+    with pytest.raises(backends.KernelVersionError) as refusal:
+        backends.resolve({kind: backend})
+    message = str(refusal.value)
+    assert f"{distribution} {old} is installed" in message and f"{distribution} >= {floor}" in message
+    assert "pip install -U" in message and f"backend={{{kind!r}: {instead!r}}}" in message
+    with pytest.warns(KernelSkippedWarning) as skipped:
+        assert getattr(backends.resolve("auto"), kind) == instead
+    assert f"{distribution} {old} is installed" in str(skipped[0].message) and f"runs {instead!r}" in str(
+        skipped[0].message)
     _installed(monkeypatch, {backend: floor})
     assert getattr(backends.resolve("auto"), kind) == backend
     assert backends.resolve(backends.REFERENCE) == backends.Backends()
@@ -275,8 +285,37 @@ def test_a_library_below_its_floor_is_refused(monkeypatch, backend, kind, old, f
 def test_a_library_of_unknown_version_is_refused(monkeypatch):
     _installed(monkeypatch, {"fla": None})
     with pytest.raises(backends.KernelVersionError, match="cannot be read"):
-        backends.resolve("auto")
+        backends.resolve({"delta_rule": "fla"})
+    with pytest.warns(KernelSkippedWarning, match="cannot be read"):
+        assert backends.resolve("auto").delta_rule == backends.REFERENCE
     assert backends.resolve({"delta_rule": backends.REFERENCE}).delta_rule == backends.REFERENCE
+
+
+def test_several_refused_libraries_are_named_in_one_error(monkeypatch):
+    """Following one refusal's fix must not lead to the next: every refused kind is in the one message, and so is
+    the one ``backend=`` dict that runs without all of them."""
+    _installed(monkeypatch, {"torch_varlen": "2.10.0", "fla": "0.5.2"})
+    with pytest.raises(backends.KernelVersionError) as refusal:
+        backends.resolve({"attention": "torch_varlen", "delta_rule": "fla"})
+    message = str(refusal.value)
+    assert "2 kernel libraries" in message and "torch 2.10.0" in message and "fla-core 0.5.2" in message
+    assert "backend={'attention': 'reference', 'delta_rule': 'reference'}" in message
+
+
+def test_kinds_outside_the_model_are_neither_resolved_nor_checked(monkeypatch):
+    _installed(monkeypatch, {"fla": "0.5.2", "causal_conv1d": "1.5.1"})
+    chosen = backends.resolve({"delta_rule": "fla"}, kinds=("attention", "conv"))  # asked for, but not used
+    assert chosen == backends.Backends(attention="torch_varlen", conv="causal_conv1d")
+
+
+def test_auto_warns_once_per_distinct_skip(monkeypatch):
+    _installed(monkeypatch, {"mamba_ssm": "2.2.2"})
+    monkeypatch.setattr(backends, "_WARNED", set())
+    with pytest.warns(KernelSkippedWarning):
+        backends.resolve("auto")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        backends.resolve("auto")  # the same skip again: silent
 
 
 def test_installed_version_reads_package_metadata_without_importing(monkeypatch):
@@ -301,29 +340,118 @@ def test_pyproject_extras_name_the_floors():
         assert pinned[floor.distributions[0]] == floor.version.removesuffix(".0"), floor
 
 
-def _hopper_with(monkeypatch, triton: str, tilelang: bool = False, capability: int = 9):
+# ------------------------------------------------------------------------------------------------ fla #640 on Hopper
+
+
+@pytest.fixture
+def no_fla_env(monkeypatch):
+    for name in ("FLA_TILELANG", "FLA_DISABLE_BACKEND_DISPATCH", "CUDA_HOME", "CUDA_PATH"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _hopper_with(monkeypatch, triton: str, tilelang: bool = False, capability: int = 9, nvcc: bool = True):
+    """A GPU of ``capability`` with ``triton``; tilelang importable or not; an nvcc found or not (fla's own search,
+    mirrored by ``backends.has_usable_nvcc``: faked at its sources, PATH and the filesystem)."""
     monkeypatch.setattr(backends, "_cuda_capability_major", lambda: capability)
     monkeypatch.setattr(backends, "_distribution_version", lambda name: backends.Version(triton))
     monkeypatch.setattr(backends, "is_importable", lambda module: tilelang if module == "tilelang" else True)
+    monkeypatch.setattr(backends.shutil, "which", lambda name: "/opt/cuda/bin/nvcc" if nvcc else None)
+    monkeypatch.setattr(backends, "_is_file", lambda path: False)
+    monkeypatch.setattr(backends.importlib.metadata, "files", lambda name: [])
 
 
-def test_fla_on_hopper_with_a_triton_that_breaks_its_gated_backward_is_refused(monkeypatch):
+def test_fla_on_hopper_with_a_triton_that_breaks_its_gated_backward_is_refused(monkeypatch, no_fla_env):
     # seen on the lent H200: Triton 3.6.0, fla 0.6.0 raised at the first backward of every gated-delta-rule layout
     _installed(monkeypatch, {"fla": "0.6.0"})
     _hopper_with(monkeypatch, "3.6.0")
-    for argument in ("auto", {"delta_rule": "fla"}):
-        with pytest.raises(backends.KernelVersionError, match=r"Triton 3\.6\.0 is installed.*fla #640.*triton>=3\.7\.1"):
-            backends.resolve(argument)
-    assert backends.resolve({"delta_rule": backends.REFERENCE}).delta_rule == backends.REFERENCE
+    with pytest.raises(backends.KernelVersionError,
+                       match=r"Triton 3\.6\.0 is installed.*fla #640.*tilelang is not installed.*torch>=2\.12\.1"):
+        backends.resolve({"delta_rule": "fla"})
+    with pytest.warns(KernelSkippedWarning, match=r"fla #640.*runs 'reference' instead"):
+        assert backends.resolve("auto").delta_rule == backends.REFERENCE
+
+
+@pytest.mark.parametrize(("environment", "tilelang", "nvcc", "why"), [
+    ({}, True, False, "no nvcc is found"),
+    ({"FLA_TILELANG": "0"}, True, True, "FLA_TILELANG=0"),
+    ({"FLA_DISABLE_BACKEND_DISPATCH": "1"}, True, True, "FLA_DISABLE_BACKEND_DISPATCH=1"),
+])
+def test_fla_is_refused_where_its_tilelang_backward_would_not_run(monkeypatch, no_fla_env, environment, tilelang,
+                                                                   nvcc, why):
+    """fla 0.6 replaces the broken Triton kernel with TileLang's only when tilelang imports, an nvcc is found,
+    ``FLA_TILELANG`` is not 0 and backend dispatch is not disabled (``fla/backends.py``): else fla raises."""
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    _installed(monkeypatch, {"fla": "0.6.0"})
+    _hopper_with(monkeypatch, "3.6.0", tilelang=tilelang, nvcc=nvcc)
+    with pytest.raises(backends.KernelVersionError, match=why):
+        backends.resolve({"delta_rule": "fla"})
+
+
+@pytest.mark.parametrize("where", ["PATH", "CUDA_HOME", "nvidia-cuda-nvcc"])
+def test_fla_tilelang_finds_nvcc_where_fla_looks(monkeypatch, no_fla_env, where):
+    _hopper_with(monkeypatch, "3.6.0", tilelang=True, nvcc=where == "PATH")
+    if where == "CUDA_HOME":
+        monkeypatch.setenv("CUDA_HOME", "/opt/cuda")
+        monkeypatch.setattr(backends, "_is_file", lambda path: str(path) == "/opt/cuda/bin/nvcc")
+    if where == "nvidia-cuda-nvcc":
+        monkeypatch.setattr(backends.importlib.metadata, "files",
+                            lambda name: [Path("nvidia/cu13/bin/nvcc")] if name == "nvidia-cuda-nvcc" else [])
+    assert backends.fla_tilelang_runs()
 
 
 @pytest.mark.parametrize(("triton", "tilelang", "capability"), [
     ("3.7.1", False, 9), ("3.3.1", False, 9), ("3.6.0", True, 9), ("3.6.0", False, 8), ("3.6.0", False, 10),
 ])
-def test_fla_is_admitted_where_its_gated_backward_is_right(monkeypatch, triton, tilelang, capability):
+def test_fla_is_admitted_where_its_gated_backward_is_right(monkeypatch, no_fla_env, triton, tilelang, capability):
     _installed(monkeypatch, {"fla": "0.6.0"})
     _hopper_with(monkeypatch, triton, tilelang, capability)
     assert backends.resolve("auto").delta_rule == "fla"
+
+
+# ------------------------------------------------------------------------------------------------ the lent image
+
+
+@pytest.fixture
+def lent_image(monkeypatch, no_fla_env):
+    """The lent GPU machine, faked at torch's and importlib's surfaces: Hopper, torch 2.11, Triton 3.6.0, fla 0.6.0
+    and mamba-ssm installed, no flash-attn, no causal-conv1d, no tilelang."""
+    installed = {"fla": "0.6.0", "mamba_ssm": "2.3.2.post1", "torch_varlen": "2.11.0+cu130"}
+    monkeypatch.setattr(backends, "is_installed", lambda name: name in installed or name == backends.REFERENCE)
+    monkeypatch.setattr(backends, "installed_version", lambda name: installed[name])
+    _hopper_with(monkeypatch, "3.6.0")
+    monkeypatch.setattr(backends, "_WARNED", set())
+
+
+@pytest.mark.parametrize(("family", "expected"), [
+    ("llama", {"attention": "torch_varlen"}),
+    ("bamba", {"attention": "torch_varlen", "ssd": "mamba_ssm"}),
+])
+def test_models_without_a_delta_rule_patch_on_the_lent_image_silently(lent_image, family, expected):
+    model = build_tiny(family_named(family))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compilepack.patch(model)
+    assert patch_state(model).backends == backends.Backends(**expected)
+
+
+def test_qwen3_5_patches_under_auto_with_one_warning_and_is_refused_fla_by_name(lent_image):
+    model = build_tiny(family_named("qwen3_5"))
+    with pytest.warns(KernelSkippedWarning) as skipped:
+        compilepack.patch(model)
+    assert len(skipped) == 1 and "fla for 'delta_rule'" in str(skipped[0].message)
+    assert patch_state(model).backends == backends.Backends(attention="torch_varlen", delta_rule=backends.REFERENCE)
+    other = build_tiny(family_named("qwen3_5"))
+    with pytest.raises(backends.KernelVersionError, match="fla #640"):
+        compilepack.patch(other, backend={"delta_rule": "fla"})
+    assert not compilepack.is_patched(other)
+
+
+def test_tilelang_without_nvcc_is_refused_on_the_lent_image(lent_image, monkeypatch):
+    monkeypatch.setattr(backends, "is_importable", lambda module: True)  # tilelang imports; no nvcc anywhere
+    monkeypatch.setattr(backends.shutil, "which", lambda name: None)
+    with pytest.raises(backends.KernelVersionError, match="no nvcc is found"):
+        compilepack.patch(build_tiny(family_named("qwen3_5")), backend={"delta_rule": "fla"})
 
 
 def test_the_old_delta_rule_kind_and_backends_keywords_warn_and_still_work(monkeypatch):
