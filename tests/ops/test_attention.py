@@ -25,6 +25,7 @@ from compilepack.ops.attention import NO_WINDOW, attention_naive, varlen_attenti
 from tests.ops import contract
 from tests.ops.fakes import route_kernels
 from tests.ops.fakes.flash_attn import FakeFlashAttn
+from tests.ops.fakes.torch_varlen import RELEASES as TORCH_RELEASES
 from tests.ops.fakes.torch_varlen import FakeTorchVarlen
 from tests.ops.oracle import OpChecks, one_thread, output_and_grads, output_and_random_grads, run_fp64
 from tests.ops.properties import assert_packing_isolated, at_least_two_documents, gradcheck, max_error
@@ -319,8 +320,10 @@ def test_flash_attn_path_contract_and_results(fake_flash_attn, kwargs):
 
 
 @KERNEL_CASES
-def test_torch_varlen_path_contract_and_results(monkeypatch, kwargs):
-    check_kernel_path("torch_varlen", kwargs, FakeTorchVarlen.route(monkeypatch))
+@pytest.mark.parametrize("release", list(TORCH_RELEASES))
+def test_torch_varlen_path_contract_and_results(monkeypatch, kwargs, release):
+    """Each torch release's varlen ops, with the schema its wheel declares (tests/ops/fakes/torch_varlen.py)."""
+    check_kernel_path("torch_varlen", kwargs, FakeTorchVarlen.route(monkeypatch, release))
 
 
 @pytest.mark.parametrize("backend", ["flash_attn", "torch_varlen"])

@@ -19,7 +19,9 @@ import torch
 from compilepack.distributed import scan
 from compilepack.ops import attention
 from compilepack.ops.attention import reference
+from compilepack.ops.attention import torch_varlen
 from tests.ops.fakes import route_kernels
+from tests.ops.fakes.torch_varlen import FLASH, RELEASES, cudnn_would_run, route_release
 from tests.ops.properties import max_error
 from tests.strategies import cu_seqlens_of
 
@@ -74,27 +76,29 @@ class FakeFlashAttnKV(types.SimpleNamespace):
 
 
 class FakeTorchAttnKV(types.SimpleNamespace):
-    """``torch.ops.torch_attn`` for the kv path: the forward takes no positional argument past ``max_k``, so a call
-    that relies on one release's arity fails here."""
+    """``torch.ops.torch_attn`` for the kv path, registered with one release's schema (``route_release``)."""
 
-    def __init__(self):
-        super().__init__(calls=[])
+    def __init__(self, release: str = "2.13.0"):
+        super().__init__(calls=[], release=release)
 
-    def _varlen_attn(self, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal, scale, window_size,
-                     enable_gqa=None):
+    def _varlen_attn(self, query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, scale, window_size,
+                     enable_gqa=None, seqused_k=None, block_table=None, num_splits=None, backend=None):
         self.calls.append("forward")
         _check_kv_contract(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k)
-        assert enable_gqa is (True if query.shape[1] != key.shape[1] else None), "enable_gqa only for grouped heads"
+        assert enable_gqa in (None, query.shape[1] != key.shape[1]), "enable_gqa only for grouped heads"
+        assert backend in (None, FLASH), f"backend={backend}, not flash"
+        assert not cudnn_would_run(query, key, max_q, window_size, enable_gqa), "torch 2.14 would run cuDNN here"
         causal, window_left = (True, -1) if is_causal else (window_size[1] == 0, window_size[0])
-        assert not is_causal or window_size == [-1, -1]
+        assert not is_causal or window_size == [-1, 0]
         out, (lse,) = reference.forward_kv(query, key, value, cu_seq_q, cu_seq_q.as_subclass(torch.Tensor), cu_seq_k,
                                            cu_seq_k.as_subclass(torch.Tensor), max_q, max_k, causal, scale,
                                            window_left)
         return out, lse.float(), torch.zeros(2, dtype=torch.uint64)
 
     def _varlen_attn_backward(self, grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k,
-                              is_causal, rng_state, scale=None, window_size=None):
+                              is_causal, rng_state, scale=None, window_size=None, backend=None):
         self.calls.append("backward")
+        assert backend in (None, FLASH)
         _check_kv_contract(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k)
         causal, window_left = (True, -1) if is_causal else (window_size[1] == 0, window_size[0])
         return tuple(reference.backward_kv(
@@ -137,7 +141,7 @@ def _route(monkeypatch, backend, fake):
     module = KV_KERNELS[backend][0]
     if backend == "torch_varlen":
         route_kernels(monkeypatch, backend, {module: types.SimpleNamespace()})
-        monkeypatch.setattr(torch.ops, "torch_attn", fake, raising=False)
+        route_release(monkeypatch, fake, fake.release)
     else:
         route_kernels(monkeypatch, backend, {module: fake})
 
@@ -178,3 +182,46 @@ def test_kv_kernel_path_refuses_more_queries_than_keys(monkeypatch):
     with pytest.raises(ValueError, match="document 0 has more queries than keys"):
         attention.varlen_attention_kv(q, k, v, cu_q, cu_k, 4, 6, cu_seqlens_q_cpu=cu_q.clone(),
                                       cu_seqlens_k_cpu=cu_k.clone(), backend="flash_attn")
+
+
+def _long_kv(monkeypatch, release):
+    """Two key documents of 200 tokens whose last 150 are queries (the sequence mode's layout), equal heads: on
+    torch 2.14 a causal call with a (-1, -1) window would run cuDNN (``max_q > 128``)."""
+    cu_q, cu_k = torch.tensor([0, 150, 300], dtype=torch.int32), torch.tensor([0, 200, 400], dtype=torch.int32)
+    q, k, v = _inputs(cu_q, cu_k, 2, 2)
+    fake = FakeTorchAttnKV(release)
+    _route(monkeypatch, "torch_varlen", fake)
+
+    def run(backend):
+        out = attention.varlen_attention_kv(q, k, v, cu_q, cu_k, 150, 200, cu_seqlens_q_cpu=cu_q.clone(),
+                                            cu_seqlens_k_cpu=cu_k.clone(), backend=backend)
+        return [out.detach(), *torch.autograd.grad(out, (q, k, v), torch.ones_like(out))]
+
+    return run, fake
+
+
+@pytest.mark.parametrize("release", list(RELEASES))
+def test_kv_path_binds_each_torch_release_and_stays_on_flash(monkeypatch, release):
+    """Each release's op schema (2.11's 10 forward parameters, 2.15's ``backend``) binds compilepack's call, and
+    the causal call never meets torch 2.14's cuDNN choice (top-left alignment: wrong for these queries)."""
+    run, fake = _long_kv(monkeypatch, release)
+    got, expected = run("torch_varlen"), run("reference")
+    assert fake.calls == ["forward", "backward"]
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, expected):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_kv_path_control_a_causal_call_without_the_window_meets_cudnn_on_torch_2_14(monkeypatch):
+    run, _ = _long_kv(monkeypatch, "2.14.1")
+    monkeypatch.setattr(torch_varlen, "_window", lambda causal, left: (True, [-1, -1]) if causal else (False, [-1, -1]))
+    with pytest.raises(Exception, match="torch 2.14 would run cuDNN"):
+        run("torch_varlen")
+
+
+def test_an_op_without_a_parameter_compilepack_needs_is_refused(monkeypatch):
+    """A release whose op lost ``window_size`` (not one compilepack can leave out) fails with the fix named, never
+    runs without the window."""
+    run, _ = _long_kv(monkeypatch, "2.13.0")
+    monkeypatch.setattr(torch_varlen, "_parameters", lambda op: frozenset({"query", "key", "is_causal", "scale"}))
+    with pytest.raises(RuntimeError, match=r"takes no \['window_size'\].*backend=\{'attention': 'reference'\}"):
+        run("torch_varlen")

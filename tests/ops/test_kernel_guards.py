@@ -142,9 +142,9 @@ def _route_attention(monkeypatch, backend):
     return fake, fake._varlen_attn
 
 
-# the calls that reach the shortcut: compilepack's flash-attn glue passes a causal call's window as (-1, 0), so only a
-# bidirectional one; torch's op gets is_causal with a (-1, -1) window, so a causal one too
-SHORTCUT_CASES = [("flash_attn", False), ("torch_varlen", True), ("torch_varlen", False)]
+# the calls that reach the shortcut: compilepack passes a causal call's window as (-1, 0) to both libraries, so only a
+# bidirectional one
+SHORTCUT_CASES = [("flash_attn", False), ("torch_varlen", False)]
 
 
 def _call_alone(backend, forward, q, k, v, causal):
