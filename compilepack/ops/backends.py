@@ -92,26 +92,15 @@ FLOORS: dict[str, Floor] = {
 }
 
 # fla's gated backward (chunk_bwd_dqkwg) is wrong on Hopper with Triton >= 3.4.0 and < 3.7.1 (fla #640), and fla
-# raises there, at the first backward, unless tilelang is installed; compilepack refuses it at patch() time instead
-# (seen on the lent H200, 2026-12-04: Triton 3.6.0, every gated-delta-rule layout refused by fla in the backward)
+# raises there, at the first backward, unless its TileLang backward runs (fla_tilelang_runs); compilepack refuses it
+# at patch() time instead (seen on the lent H200, 2026-12-04: Triton 3.6.0, every gated-delta-rule layout refused by
+# fla in the backward)
 _FLA_HOPPER_TRITON = (Version("3.4.0"), Version("3.7.1"))
 
 
-# old names -> new names, accepted with a DeprecationWarning: op kinds in ``backend={...}``, ``Backends`` keywords
-DEPRECATED_KINDS = {"gated_delta": "delta_rule"}
-_DEPRECATED_FIELDS = {**DEPRECATED_KINDS, "context_parallel": "cp_group"}
-
-
-def _warn_renamed(old: str, new: str, where: str) -> None:
-    warnings.warn(f"{where}: {old!r} is deprecated, use {new!r}.", DeprecationWarning, stacklevel=3)
-
-
-@dataclasses.dataclass(frozen=True, init=False)
+@dataclasses.dataclass(frozen=True)
 class Backends:
-    """The backend of each op kind (a name from ``CANDIDATES``), used when the op's tensors are on CUDA.
-
-    ``Backends(gated_delta=...)`` and ``Backends(context_parallel=...)`` (the old names of ``delta_rule`` and
-    ``cp_group``) still work, with a DeprecationWarning."""
+    """The backend of each op kind (a name from ``CANDIDATES``), used when the op's tensors are on CUDA."""
 
     attention: str = REFERENCE
     conv: str = REFERENCE
@@ -121,29 +110,6 @@ class Backends:
     # head-parallel between two all-to-alls over its group, over tokens, or both, as its mode says (None: no context
     # parallelism)
     cp_group: object = None
-
-    def __init__(self, attention: str = REFERENCE, conv: str = REFERENCE, delta_rule: str = REFERENCE,
-                 ssd: str = REFERENCE, cp_group: object = None, **deprecated):
-        unknown = set(deprecated) - set(_DEPRECATED_FIELDS)
-        if unknown:
-            raise TypeError(f"Backends() got unexpected keywords {sorted(unknown)}.")
-        for old, value in deprecated.items():
-            _warn_renamed(old, _DEPRECATED_FIELDS[old], "Backends()")
-        delta_rule = deprecated.get("gated_delta", delta_rule)
-        cp_group = deprecated.get("context_parallel", cp_group)
-        for name, value in (("attention", attention), ("conv", conv), ("delta_rule", delta_rule), ("ssd", ssd),
-                            ("cp_group", cp_group)):
-            object.__setattr__(self, name, value)  # frozen
-
-    @property
-    def gated_delta(self) -> str:
-        _warn_renamed("gated_delta", "delta_rule", "Backends")
-        return self.delta_rule
-
-    @property
-    def context_parallel(self) -> object:
-        _warn_renamed("context_parallel", "cp_group", "Backends")
-        return self.cp_group
 
     def describe(self) -> str:
         kinds = [f.name for f in dataclasses.fields(self) if f.name != "cp_group"]
@@ -336,7 +302,7 @@ def _overrides(backend: str | dict[str, str]) -> dict[str, str]:
             f"backend={backend!r} is not understood: expected 'auto', 'reference', a dict such as "
             f"{{'attention': 'torch_varlen'}}, or a compilepack.ops.backends.Backends."
         )
-    overrides = {_current_kind(kind): name for kind, name in backend.items()}
+    overrides = dict(backend)
     unknown = sorted(set(overrides) - set(CANDIDATES))
     if unknown:
         raise ValueError(f"unknown op kinds in backend=: {unknown}; expected {sorted(CANDIDATES)}.")
@@ -395,14 +361,6 @@ def _warn_once(message: str) -> None:
     if message not in _WARNED:
         _WARNED.add(message)
         warnings.warn(message, KernelSkippedWarning, stacklevel=4)
-
-
-def _current_kind(kind: str) -> str:
-    """An op kind of ``backend={...}``, its old name (``DEPRECATED_KINDS``) replaced with a DeprecationWarning."""
-    if kind in DEPRECATED_KINDS:
-        _warn_renamed(kind, DEPRECATED_KINDS[kind], "backend={...}")
-        return DEPRECATED_KINDS[kind]
-    return kind
 
 
 @functools.cache

@@ -452,20 +452,3 @@ def test_tilelang_without_nvcc_is_refused_on_the_lent_image(lent_image, monkeypa
     monkeypatch.setattr(backends.shutil, "which", lambda name: None)
     with pytest.raises(backends.KernelVersionError, match="no nvcc is found"):
         compilepack.patch(build_tiny(family_named("qwen3_5")), backend={"delta_rule": "fla"})
-
-
-def test_the_old_delta_rule_kind_and_backends_keywords_warn_and_still_work(monkeypatch):
-    """``gated_delta`` (both delta rules' kind, now ``delta_rule``) and ``Backends(context_parallel=)`` (now
-    ``cp_group``) are accepted with a DeprecationWarning naming the new name."""
-    _installed(monkeypatch, {})
-    with pytest.warns(DeprecationWarning, match="'gated_delta' is deprecated, use 'delta_rule'"):
-        chosen = backends.resolve({"gated_delta": backends.REFERENCE})
-    assert chosen.delta_rule == backends.REFERENCE
-    group = object()
-    with pytest.warns(DeprecationWarning, match="'context_parallel' is deprecated, use 'cp_group'"):
-        old = backends.Backends(gated_delta="fla", context_parallel=group)
-    assert old == backends.Backends(delta_rule="fla", cp_group=group)
-    with pytest.warns(DeprecationWarning, match="use 'delta_rule'"):
-        assert old.gated_delta == "fla"
-    with pytest.raises(TypeError, match="unexpected keywords"):
-        backends.Backends(delta=backends.REFERENCE)
