@@ -20,9 +20,9 @@ The patched decoder checks every batch it receives, whoever built it:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import torch
 from torch._dynamo.exc import UserError, UserErrorType
@@ -48,9 +48,11 @@ from ..errors import BoundaryError
 _INTEGER_DTYPES = (torch.int32, torch.int64)
 
 
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    """One rule of the boundary contract: the key it is about, what is expected, and how to fix a violation."""
+class Rule(NamedTuple):
+    """One rule of the boundary contract: the key it is about, what is expected, and how to fix a violation.
+
+    A NamedTuple, not a frozen dataclass: dynamo hands it to ``_refuse_if`` (``assume_constant_result``) as a
+    constant, which torch 2.11's dynamo cannot do for a frozen dataclass."""
 
     key: str
     expected: str
@@ -142,12 +144,15 @@ SHAPED_LIKE_TOKENS = Rule(LABELS, f"the shape of {INPUT_IDS}", f"build it with t
 
 
 @torch.compiler.assume_constant_result
-def _refuse_if(broken: bool, rule: Rule, *found) -> bool:
-    """Raise ``rule``'s error when ``broken``; ``found``: constants describing the value (see :func:`_facts`).
+def _refuse_if(broken: bool, rule: Rule, *found, key: str | None = None) -> bool:
+    """Raise ``rule``'s error when ``broken`` (about ``key``, a twin of the rule's key, when given); ``found``:
+    constants describing the value (see :func:`_facts`). ``rule`` is always a module-level one: dynamo treats those
+    as constants on every admitted torch, while a rule built during tracing it cannot (torch 2.11).
 
     Under torch.compile dynamo calls this at trace time with its constant arguments instead of tracing it: the
     refusal surfaces as the compile error's first line, and a valid batch adds no node to the graph."""
     if broken:
+        rule = rule if key is None else _about(key, rule)
         raise _as_raised(BoundaryError, rule.message(_described(*found)))
     return False
 
@@ -164,7 +169,7 @@ def check_static(kwargs: Mapping, tokens: torch.Tensor, row_length=None) -> None
         value = kwargs.get(key)
         bad_type = value is not None and (isinstance(value, bool) or not isinstance(value, (int, torch.Tensor)))
         bad_tensor = isinstance(value, torch.Tensor) and (value.dim() != 0 or value.is_floating_point())
-        _refuse_if(bad_type or bad_tensor, _about(key, MAX_LENGTH), *_facts(value))
+        _refuse_if(bad_type or bad_tensor, MAX_LENGTH, *_facts(value), key=key)
     seq_idx = kwargs.get(SEQ_IDX)
     if seq_idx is not None:
         bad = not isinstance(seq_idx, torch.Tensor) or seq_idx.dtype not in _INTEGER_DTYPES or seq_idx.dim() != 2
@@ -176,8 +181,8 @@ def _check_cu_static(key: str, cu, device: torch.device) -> None:
     if cu is None:
         return
     bad = not isinstance(cu, torch.Tensor) or cu.dtype not in _INTEGER_DTYPES or cu.dim() != 1 or cu.shape[0] < 2
-    _refuse_if(_decided(bad), _about(key, CU_TENSOR), *_facts(cu))
-    _refuse_if(cu.device.type != "cpu" and cu.device != device, _about(key, CU_DEVICE), *_facts(cu))
+    _refuse_if(_decided(bad), CU_TENSOR, *_facts(cu), key=key)
+    _refuse_if(cu.device.type != "cpu" and cu.device != device, CU_DEVICE, *_facts(cu), key=key)
 
 
 @torch.compiler.assume_constant_result
@@ -298,7 +303,7 @@ def check_seq_idx_on_host(seq_idx: torch.Tensor, cu: list[int], rows: int, row_l
 
 def _about(key: str, rule: Rule) -> Rule:
     """The same rule for a twin key (``cu_seq_lens_k`` for ``cu_seq_lens_q``, ``max_length_k`` for ``_q``)."""
-    return rule if rule.key == key else dataclasses.replace(rule, key=key)
+    return rule if rule.key == key else rule._replace(key=key)
 
 
 def _preview(values: list[int], limit: int = 8) -> str:

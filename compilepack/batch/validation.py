@@ -9,7 +9,6 @@ two that only a data pipeline can own: position ids restarting per document, and
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Mapping
 
 import torch
@@ -118,6 +117,6 @@ def _check_labels(batch: Mapping, boundaries: Boundaries) -> None:
 
 
 def _shaped_like_tokens(key: str, expected_shape: tuple, value: torch.Tensor) -> BoundaryError:
-    rule = dataclasses.replace(rules.SHAPED_LIKE_TOKENS, key=key, expected=f"the shape of input_ids {expected_shape}")
+    rule = rules.SHAPED_LIKE_TOKENS._replace(key=key, expected=f"the shape of input_ids {expected_shape}")
     return rule.refuse(str(tuple(value.shape)))
 
