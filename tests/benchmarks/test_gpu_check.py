@@ -85,7 +85,8 @@ def test_the_op_check_misses_by_far_when_boundaries_are_dropped():
 
     honest = ops.check_op("varlen_attention", make, backends.REFERENCE, common.torch.float32, [5, 1, 70])
     broken = ops.check_op("varlen_attention", one_document, backends.REFERENCE, common.torch.float32, [5, 1, 70])
-    assert honest["packed_vs_alone_same_kernel"] <= 1e-5 < 1e-2 < broken["packed_vs_alone_same_kernel"]
+    assert honest["packed_vs_alone_same_kernel"] <= 1e-5
+    assert broken["packed_vs_alone_same_kernel"] > 1e-2
 
 
 def _refusing_fla(monkeypatch):

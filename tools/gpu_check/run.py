@@ -1,28 +1,16 @@
-"""The GPU check: one command that fits one device lease, one JSON written after every section.
+"""The GPU check: one command that fits one device lease (docs/benchmarks.md), one JSON written after every section.
 
     python -m tools.gpu_check --out $OUT/gpu_check.json --cache-out $OUT     # on a CUDA machine, ~8 minutes cold
     python -m tools.gpu_check --simulate --families llama --out sim.json     # every section on CPU, in seconds
 
-Sections, in this order, each started only while the time budget (``--budget-s``) has its planned seconds left
-(``PLANNED_S``: on a Hopper GPU with cold caches; a skipped section is recorded with the reason), each op and
-section with its wall time:
-
-1. families: per family (llama, qwen3_5, qwen3_next, bamba, each one guarded), stock beside patched on the same
-   documents: tokens/s of compiled training steps, compiles, a sync-free step (boundaries on the host; on the
-   device beside it), packed logits vs each document alone, graphs and breaks (``families.py``);
-2. ops: every op on its best admitted backend against the references, forward and input gradients, and packed vs
-   each document alone through the same kernel;
-3. layouts: every admitted kernel on the reported bugs' layouts (docs/kernels.md), per tensor;
-4. hopper_probes: fla's gated delta rule at head dims 64 and 128 with fla's #640 guard bypassed, KDA's padding
-   document, gathered-key attention on torch's varlen ops (Hopper only, a child process: ``probes.py``);
-5. known_bugs, sequence_ops, recompiles, qlora: flash-attn #1537 on the library and on compilepack's guard, the
-   sequence mode's state and gathered-key ops, Triton recompiles over varied batches, QLoRA per family.
-
-A backend compilepack refuses on this machine is recorded with its message and not run; whatever is admitted
-runs. A library refused for every kind it serves is also hidden from this process, so stock runs without it too.
-Triton's and inductor's caches live under ``--cache-dir``; Triton's autotuning is pruned to ``--autotune-configs``
-configs per kernel (stock and patched call the same pruned kernels); ``--cache-out`` packs the caches for the
-next lease, ``--cache-from`` unpacks them (docs/benchmarks.md).
+Sections in order (``PLANNED_S``), each started only while the budget (``--budget-s``) has its planned seconds
+left, else recorded as skipped with the reason: families (stock beside patched per family, each guarded: speed,
+compiles, a sync-free step, exactness; ``families.py``), ops, layouts, hopper_probes (``probes.py``), known_bugs,
+sequence_ops, recompiles, qlora. A backend compilepack refuses here is recorded with its message, never run;
+whatever is admitted runs. A library refused for every kind it serves is hidden from this process, so stock runs
+without it too. Triton's and inductor's caches live under ``--cache-dir``, Triton's autotuning is pruned to
+``--autotune-configs`` per kernel (stock and patched call the same pruned kernels); ``--cache-out`` packs the caches
+for the next lease, ``--cache-from`` unpacks them.
 """
 
 from __future__ import annotations
@@ -75,21 +63,13 @@ def families_section(ctx: Context, report: dict):
 
 
 def sections(ctx: Context, report: dict, probe_timeout):
-    """name -> a function that fills ``report[name]`` (the families fill ``speed`` too)."""
-    def store(name, function):
-        return lambda: report.__setitem__(name, function())
-
-    return {
-        "families": lambda: families_section(ctx, report),
-        "ops": store("ops", lambda: check_ops(ctx)),
-        "layouts": store("layouts", lambda: check_layouts(ctx)),
-        "hopper_probes": store("hopper_probes", lambda: run_hopper_probes(ctx, probe_timeout())),
-        "known_bugs": store("known_bugs", lambda: check_known_bugs(ctx)),
-        "sequence_ops": store("sequence_ops", lambda: check_sequence_ops(ctx)),
-        "recompiles": store("recompiles", lambda: check_recompiles(ctx)),
-        "qlora": store("qlora", lambda: [guarded({"family": n}, lambda n=n: check_qlora(n, ctx))
-                                         for n in ctx.families]),
-    }
+    """name -> what fills ``report[name]`` (the families fill ``speed`` too)."""
+    checks = {"ops": check_ops, "layouts": check_layouts, "known_bugs": check_known_bugs,
+              "sequence_ops": check_sequence_ops, "recompiles": check_recompiles,
+              "hopper_probes": lambda ctx: run_hopper_probes(ctx, probe_timeout()),
+              "qlora": lambda ctx: [guarded({"family": n}, lambda n=n: check_qlora(n, ctx)) for n in ctx.families]}
+    run = {name: (lambda n=name, check=check: report.__setitem__(n, check(ctx))) for name, check in checks.items()}
+    return {"families": lambda: families_section(ctx, report), **run}
 
 
 def write(report: dict, out: Path):
@@ -154,10 +134,9 @@ def pack_caches(folder: Path, out: Path, limit_mb: float) -> dict:
     """Each cache as an xz tar in 15 MB parts (the device tool returns files of at most 16 MiB); inductor's is
     dropped when both together pass ``limit_mb`` (Triton's cubins and autotuning results come first)."""
     sizes = {}
-    for name in CACHES:
-        if (folder / name).is_dir():
-            _shell(f"tar -C {folder / name} -cf - . | xz -T0 -6 | split -b 15M - {out}/gpucache-{name}.tar.xz.")
-            sizes[name] = sum(os.path.getsize(p) for p in glob.glob(f"{out}/gpucache-{name}.tar.xz.*")) / 2**20
+    for name in (name for name in CACHES if (folder / name).is_dir()):
+        _shell(f"tar -C {folder / name} -cf - . | xz -T0 -6 | split -b 15M - {out}/gpucache-{name}.tar.xz.")
+        sizes[name] = sum(os.path.getsize(p) for p in glob.glob(f"{out}/gpucache-{name}.tar.xz.*")) / 2**20
     if sum(sizes.values()) > limit_mb and "inductor" in sizes:
         for part in glob.glob(f"{out}/gpucache-inductor.tar.xz.*"):
             os.remove(part)
@@ -217,10 +196,7 @@ def main(argv=None) -> int:
                   "budget_s": args.budget_s, "sections": {}}
         write(report, out)
 
-        def probe_timeout():
-            return max(30.0, min(150.0, budget.left()))
-
-        run = sections(ctx, report, probe_timeout)
+        run = sections(ctx, report, lambda: max(30.0, min(150.0, budget.left())))
         for name in args.sections:
             planned = SIMULATED_PLANNED_S if args.simulate else PLANNED_S[name]
             if name != "families" and budget.left() < planned:  # the families guard each family
@@ -230,8 +206,7 @@ def main(argv=None) -> int:
             else:
                 start = time.perf_counter()
                 done = guarded({}, run[name])
-                if isinstance(done, dict) and "error" in done:
-                    report[name] = done
+                report.update({name: done} if isinstance(done, dict) and "error" in done else {})
                 report["sections"][name] = {"planned_s": planned, "wall_s": round(time.perf_counter() - start, 1)}
             report["wall_s"] = round(time.perf_counter() - started, 1)
             write(report, out)
@@ -241,5 +216,5 @@ def main(argv=None) -> int:
                                                                                args.cache_limit_mb))
         report["wall_s"] = round(time.perf_counter() - started, 1)
         write(report, out)
-    print(json.dumps(report, indent=2, default=str))
+    print(f"gpu_check: {report['wall_s']} s, {out}", flush=True)
     return 0
