@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import platform
 import sys
 import time
@@ -22,6 +24,7 @@ from compilepack.ops import (
     mamba2_chunk_scan_varlen,
     varlen_attention,
 )
+from compilepack.patching import family_named
 
 HEADLINE = ["llama", "qwen3_5", "qwen3_next", "bamba"]
 KERNEL_BACKENDS = ("flash_attn", "torch_varlen", "causal_conv1d", "fla", "mamba_ssm")
@@ -110,17 +113,27 @@ def admitted_backends() -> tuple[dict[str, list[str]], dict[str, str]]:
     return admitted, refused
 
 
-def hide_refused(admitted, refused) -> dict[str, str]:
-    """Make a kernel library that compilepack refuses for every op kind it serves unimportable in this process, so
-    that stock transformers does not call it either (stock Qwen3.5 sends its gated delta rule to fla whenever fla
-    imports: fla #640 raises there at the first backward). The probes that need it run it in a child process."""
+def hide_from_stock(admitted, refused, families) -> dict[str, str]:
+    """Import the families' transformers modules while each kernel library that compilepack refuses for every op
+    kind it serves cannot be imported: stock transformers binds its kernels at import (stock Qwen3.5 sends its gated
+    delta rule to fla whenever fla imports, and fla #640 raises at the first backward), so stock runs its torch path
+    as patched runs the reference. The library is importable again after (compilepack's own answers unchanged)."""
     hidden = {}
     for key in refused:
         kind, name = key.split(":")
-        if name == "torch_varlen" or name in hidden or any(name in names for names in admitted.values()):
-            continue  # torch itself cannot be hidden
-        sys.modules[name] = None  # `import fla` raises ImportError: transformers takes its torch path
-        hidden[name] = f"refused for {kind!r}: stock and patched run without it in this process"
+        if name != "torch_varlen" and not any(name in names for names in admitted.values()):  # torch stays
+            hidden[name] = f"refused for {kind!r}: hidden from stock transformers' imports"
+    before = {name: sys.modules.pop(name, None) for name in hidden}
+    sys.modules.update(dict.fromkeys(hidden))  # None: `import fla` raises ImportError
+    try:
+        for family in families:
+            with torch.device("meta"):
+                transformers.AutoModelForCausalLM.from_config(family_named(family).bench_config())
+    finally:
+        for name, module in before.items():
+            sys.modules.pop(name)
+            if module is not None:
+                sys.modules[name] = module
     return hidden
 
 
@@ -139,46 +152,35 @@ def auto_outcome(model=None) -> dict:
     return {**result, "warnings": notes} if notes else result
 
 
-# ------------------------------------------------------------------------------------------------ inputs
-
-
 def cu_of(lengths, device):
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    return torch.tensor(cu, dtype=torch.int32, device=device)
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
 
 
 def seq_idx_of(lengths, device, rows=1):
-    """Document index per token, ``[rows, T / rows]``, numbered as the patch numbers them (a zero-length document
-    takes no tokens and leaves a gap in the numbering)."""
+    """Document index per token, ``[rows, T / rows]`` (a zero-length document leaves a gap in the numbering)."""
     counts = torch.tensor(lengths, device=device)
     return torch.repeat_interleave(torch.arange(len(lengths), device=device, dtype=torch.int32), counts).view(rows, -1)
-
-
-def as_padding(tokens, lengths, layout):
-    """The layout's padding-only document made of identical tokens: its first token's values repeated."""
-    index = PADDING_DOCUMENT.get(layout)
-    if index is not None:
-        start, end = sum(lengths[:index]), sum(lengths[: index + 1])
-        for t in tokens:
-            t[start:end] = t[start]
 
 
 def op_cases(device, head_dim=64):
     """op name -> (make, op kind). ``make(lengths, rows, dtype, layout)`` returns the op's differentiable inputs, the
     dimension of each that runs over tokens (None: a parameter) and ``call(inputs, lengths, rows, backend)``."""
     gen = torch.Generator(device="cpu").manual_seed(0)
+    randn = functools.partial(torch.randn, generator=gen)
 
-    def randn(*shape, scale=1.0):
-        return torch.randn(*shape, generator=gen) * scale
+    def tokens_of(lengths, rows, layout, *tokens):
+        """Token-major inputs shaped ``[rows, T / rows, ...]``, the layout's padding document one repeated token."""
+        if layout in PADDING_DOCUMENT:
+            start, end = sum(lengths[: PADDING_DOCUMENT[layout]]), sum(lengths[: PADDING_DOCUMENT[layout] + 1])
+            for t in tokens:
+                t[start:end] = t[start]
+        return [t.view(rows, t.shape[0] // rows, *t.shape[1:]) for t in tokens]
 
     def on(tensors, dtypes):
         return [t.to(device=device, dtype=d) for t, d in zip(tensors, dtypes)]
 
     def attention(lengths, rows, dtype, layout=None):
-        tokens = [randn(sum(lengths), heads, 64) for heads in (8, 2, 2)]
-        as_padding(tokens, lengths, layout)
+        tokens = [t[0] for t in tokens_of(lengths, 1, layout, *(randn(sum(lengths), h, 64) for h in (8, 2, 2)))]
 
         def call(x, ls, rows, b):
             return varlen_attention(*x, cu_of(ls, device), max(max(ls), 1), backend=b)
@@ -186,41 +188,36 @@ def op_cases(device, head_dim=64):
         return on(tokens, [dtype] * 3), [0, 0, 0], call
 
     def conv(lengths, rows, dtype, layout=None):
-        t = sum(lengths)
-        x = randn(t, 256)
-        as_padding([x], lengths, layout)
-        x = x.view(rows, t // rows, 256).transpose(1, 2)  # channel-last, as transformers passes it
+        (x,) = tokens_of(lengths, rows, layout, randn(sum(lengths), 256))
 
         def call(x, ls, rows, b):
             return causal_conv1d_varlen(*x, seq_idx_of(ls, device, rows), "silu", backend=b)
 
-        return on([x, randn(256, 4, scale=0.5), randn(256)], [dtype] * 3), [2, None, None], call
+        # channel-last, as transformers passes it
+        return on([x.transpose(1, 2), randn(256, 4) * 0.5, randn(256)], [dtype] * 3), [2, None, None], call
 
-    def delta_rule(per_channel):
+    def delta_rule(function, per_channel):
         def make(lengths, rows, dtype, layout=None):
             t, d = sum(lengths), head_dim
             decay = F.logsigmoid(randn(t, 8, d) + 3) if per_channel else -torch.rand(t, 8, generator=gen) * 0.5
-            tokens = [randn(t, 4, d), randn(t, 4, d), randn(t, 8, d), decay, torch.rand(t, 8, generator=gen)]
-            as_padding(tokens, lengths, layout)
-            shaped = [x.view(rows, t // rows, *x.shape[1:]) for x in tokens]
-            function = kimi_delta_attention_varlen if per_channel else gated_delta_rule_varlen
+            tokens = tokens_of(lengths, rows, layout, randn(t, 4, d), randn(t, 4, d), randn(t, 8, d), decay,
+                               torch.rand(t, 8, generator=gen))
 
             def call(x, ls, rows, b):
                 cu = cu_of(ls, device)
                 return function(*x, cu, use_qk_l2norm=True, cu_seqlens_cpu=cu.cpu(), backend=b)
 
-            return on(shaped, [dtype, dtype, dtype, torch.float32, dtype]), [1] * 5, call
+            return on(tokens, [dtype, dtype, dtype, torch.float32, dtype]), [1] * 5, call
 
         return make
 
     def ssd(lengths, rows, dtype, layout=None):
         t = sum(lengths)
-        tokens = [randn(t, 8, 64), randn(t, 8, scale=0.5), randn(t, 1, 64), randn(t, 1, 64)]
-        as_padding(tokens, lengths, layout)
-        x, dt, B, C = (v.view(rows, t // rows, *v.shape[1:]) for v in tokens)
-        A = -torch.rand(8, generator=gen) - 0.5
-        tensors = on([x, dt, A, B, C, torch.ones(8), torch.zeros(8)],
-                     [dtype, dtype, torch.float32, dtype, dtype, torch.float32, torch.float32])
+        x, dt, B, C = tokens_of(lengths, rows, layout, randn(t, 8, 64), randn(t, 8) * 0.5, randn(t, 1, 64),
+                                randn(t, 1, 64))
+        f32 = torch.float32
+        tensors = on([x, dt, -torch.rand(8, generator=gen) - 0.5, B, C, torch.ones(8), torch.zeros(8)],
+                     [dtype, dtype, f32, dtype, dtype, f32, f32])
 
         def call(x, ls, rows, b):
             xs, dt, A, B, C, D, dt_bias = x
@@ -230,8 +227,8 @@ def op_cases(device, head_dim=64):
         return tensors, [1, 1, None, 1, 1, None, None], call
 
     return {"varlen_attention": (attention, "attention"), "causal_conv1d_varlen": (conv, "conv"),
-            "gated_delta_rule_varlen": (delta_rule(False), "delta_rule"),
-            "kimi_delta_attention_varlen": (delta_rule(True), "delta_rule"),
+            "gated_delta_rule_varlen": (delta_rule(gated_delta_rule_varlen, False), "delta_rule"),
+            "kimi_delta_attention_varlen": (delta_rule(kimi_delta_attention_varlen, True), "delta_rule"),
             "mamba2_chunk_scan_varlen": (ssd, "ssd")}
 
 
@@ -314,7 +311,7 @@ def environment(ctx: Context, hidden: dict) -> dict:
         "versions": {name: backends.installed_version(name) for name in backends.FLOORS},
         "auto_backends": auto_outcome(),
         "admitted_backends": ctx.admitted, "checked_backends": ctx.chosen(),
-        "refused_backends": ctx.refused, "hidden_from_this_process": hidden,
+        "refused_backends": ctx.refused, "hidden_from_stock": hidden,
     }
     try:
         import triton

@@ -88,8 +88,9 @@ def check_family(name: str, ctx: Context) -> tuple[dict, dict]:
     step = torch.compile(patched, fullgraph=True, dynamic=True, backend=ctx.compile_backend)
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     speed["patched_compiled"] = guarded({}, lambda: throughput(step, patched, [b for _, b in batches], ctx.device))
-    checks["compiles_over_batches"] = {
-        "batches": len(batches), "compiles": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before}
+    compiles = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
+    checks["compiles_over_batches"] = {"batches": len(batches), "compiles": compiles} if (
+        "error" not in speed["patched_compiled"]) else {"error": "the compiled steps failed (speed.patched_compiled)"}
     checks["compiled_training_step"] = guarded({}, lambda: sync_free_steps(step, patched, batches, ctx))
     for label, stock_batches in stock_variants(name, stock, batches, ctx.device).items():
         speed[label] = guarded({}, lambda sb=stock_batches: {**throughput(stock, stock, sb, ctx.device),

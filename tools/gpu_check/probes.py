@@ -1,5 +1,5 @@
-"""The Hopper probes (issue 49, item 5), in one child process, so that fla is imported there only (the check's own
-process hides a refused fla from stock and patched alike) and a fault cannot end the run:
+"""The Hopper probes (issue 49, item 5), in one child process, so that fla runs there only (the check's own process
+never runs a refused fla) and a fault cannot end the run:
 
 - fla's gated delta rule, forward and backward, at head dims 64 and 128 (on Hopper, BK = min(head dim, 128)) with
   fla's #640 guard bypassed, against compilepack's reference: fla 0.6.0 has no escape for it, so the child sets

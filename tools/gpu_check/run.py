@@ -7,8 +7,8 @@ Sections in order (``PLANNED_S``), each started only while the budget (``--budge
 left, else recorded as skipped with the reason: families (stock beside patched per family, each guarded: speed,
 compiles, a sync-free step, exactness; ``families.py``), ops, layouts, hopper_probes (``probes.py``), known_bugs,
 sequence_ops, recompiles, qlora. A backend compilepack refuses here is recorded with its message, never run;
-whatever is admitted runs. A library refused for every kind it serves is hidden from this process, so stock runs
-without it too. Triton's and inductor's caches live under ``--cache-dir``, Triton's autotuning is pruned to
+whatever is admitted runs. A library refused for every kind it serves is hidden from stock's imports, so stock
+runs without it too. Triton's and inductor's caches live under ``--cache-dir``, Triton's autotuning is pruned to
 ``--autotune-configs`` per kernel (stock and patched call the same pruned kernels); ``--cache-out`` packs the caches
 for the next lease, ``--cache-from`` unpacks them.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import glob
+import importlib.util
 import json
 import os
 import subprocess
@@ -35,7 +36,7 @@ from .common import (
     admitted_backends,
     environment,
     guarded,
-    hide_refused,
+    hide_from_stock,
 )
 from .families import check_family
 from .lora import check_qlora
@@ -81,37 +82,26 @@ def write(report: dict, out: Path):
 
 @contextlib.contextmanager
 def caches(folder: Path, configs: int):
-    """Triton's and inductor's on-disk caches under ``folder`` (autotuning results included), and Triton's
-    autotuning pruned to ``configs`` configs per kernel (0: not pruned); the environment is restored after."""
+    """Triton's and inductor's on-disk caches under ``folder`` (autotuning results included), Triton's autotuning
+    pruned to ``configs`` configs per kernel (0: all; the library's own pruning first); all restored after."""
     settings = {"TRITON_CACHE_DIR": str(folder / "triton"), "TRITON_CACHE_AUTOTUNING": "1",
                 "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor")}
     before = {key: os.environ.get(key) for key in settings}
     os.environ.update(settings)
-    record = dict(settings)
-    restore = _prune_autotuning(configs, record)
-    try:
-        yield record
-    finally:
-        restore()
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def _prune_autotuning(configs: int, record: dict):
-    try:
-        from triton.runtime import autotuner
-    except ImportError:
-        record["autotune_configs_per_kernel"] = "no triton"
-        return lambda: None
-    original = autotuner.Autotuner.prune_configs
-    if configs > 0:
+    autotuner = importlib.import_module("triton.runtime.autotuner") if importlib.util.find_spec("triton") else None
+    original = autotuner and autotuner.Autotuner.prune_configs
+    if autotuner and configs:
         autotuner.Autotuner.prune_configs = lambda self, *args, **kwargs: original(self, *args, **kwargs)[:configs]
-    record["autotune_configs_per_kernel"] = configs or "all"
-    record["autotune_note"] = "stock and patched call the same pruned kernels (this process only: not the probes)"
-    return lambda: setattr(autotuner.Autotuner, "prune_configs", original)
+    note = "stock and patched call the same pruned kernels (this process only: not the probes')"
+    try:
+        yield {**settings, "autotune_configs_per_kernel": (configs or "all") if autotuner else "no triton",
+               "autotune_note": note}
+    finally:
+        if autotuner:
+            autotuner.Autotuner.prune_configs = original
+        os.environ.update({key: value for key, value in before.items() if value is not None})
+        for key in (key for key, value in before.items() if value is None):
+            os.environ.pop(key)
 
 
 def _shell(command: str) -> None:
@@ -188,8 +178,8 @@ def main(argv=None) -> int:
     with caches(folder, args.autotune_configs) as cache_settings:
         unpacked = unpack_caches(Path(args.cache_from), folder) if args.cache_from else {}
         admitted, refused = admitted_backends()
-        hidden = {} if args.simulate else hide_refused(admitted, refused)
         names = [f.name for f in compilepack.families()] if args.families == "all" else args.families.split(",")
+        hidden = {} if args.simulate else hide_from_stock(admitted, refused, names)
         budget = Budget(args.budget_s - (time.perf_counter() - started))
         ctx = Context(device, dtype, args.simulate, budget, args.compile_backend, names, admitted, refused)
         report = {"environment": environment(ctx, hidden), "caches": {**cache_settings, "unpacked": unpacked},
