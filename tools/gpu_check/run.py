@@ -46,14 +46,14 @@ from .sequence import check_sequence_ops
 
 # planned seconds on a Hopper GPU, cold caches, pruned autotuning (families: per family, the rest per section)
 FAMILY_PLANNED_S = {"llama": 50, "qwen3_5": 75, "qwen3_next": 75, "bamba": 90}
-PLANNED_S = {"families": 290, "ops": 30, "layouts": 40, "hopper_probes": 90, "known_bugs": 10, "sequence_ops": 30,
+PLANNED_S = {"families": 290, "ops": 30, "layouts": 40, "hopper_probes": 180, "known_bugs": 10, "sequence_ops": 30,
              "recompiles": 30, "qlora": 20}
 SIMULATED_PLANNED_S = 0.5  # per section and family: --simulate --budget-s 0 shows every guard
 SECTIONS = tuple(PLANNED_S)
 CACHES = ("triton", "inductor")
 
 
-def families_section(ctx: Context, report: dict):
+def families_section(ctx: Context, report: dict, save):
     report["speed"], report["families"] = [], []
     for name in ctx.families:
         planned = SIMULATED_PLANNED_S if ctx.simulate else FAMILY_PLANNED_S.get(name, 75)
@@ -61,16 +61,17 @@ def families_section(ctx: Context, report: dict):
         speed, checks = done if isinstance(done, tuple) else (done, done)
         report["speed"].append(speed)
         report["families"].append(checks)
+        save()  # after every family too: the first section is most of the run
 
 
-def sections(ctx: Context, report: dict, probe_timeout):
+def sections(ctx: Context, report: dict, probe_timeout, save):
     """name -> what fills ``report[name]`` (the families fill ``speed`` too)."""
     checks = {"ops": check_ops, "layouts": check_layouts, "known_bugs": check_known_bugs,
               "sequence_ops": check_sequence_ops, "recompiles": check_recompiles,
               "hopper_probes": lambda ctx: run_hopper_probes(ctx, probe_timeout()),
               "qlora": lambda ctx: [guarded({"family": n}, lambda n=n: check_qlora(n, ctx)) for n in ctx.families]}
     run = {name: (lambda n=name, check=check: report.__setitem__(n, check(ctx))) for name, check in checks.items()}
-    return {"families": lambda: families_section(ctx, report), **run}
+    return {"families": lambda: families_section(ctx, report, save), **run}
 
 
 def write(report: dict, out: Path):
@@ -165,8 +166,10 @@ def parse(argv):
     return args
 
 
-def main(argv=None) -> int:
-    started = time.perf_counter()
+def main(argv=None, started=None) -> int:
+    """``started``: ``time.perf_counter()`` at the process's start (``__main__``), so that the budget counts the
+    imports too."""
+    started = time.perf_counter() if started is None else started
     args = parse(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -186,7 +189,7 @@ def main(argv=None) -> int:
                   "budget_s": args.budget_s, "sections": {}}
         write(report, out)
 
-        run = sections(ctx, report, lambda: max(30.0, min(150.0, budget.left())))
+        run = sections(ctx, report, lambda: max(30.0, min(300.0, budget.left())), lambda: write(report, out))
         for name in args.sections:
             planned = SIMULATED_PLANNED_S if args.simulate else PLANNED_S[name]
             if name != "families" and budget.left() < planned:  # the families guard each family
