@@ -41,7 +41,7 @@ LAYOUTS = {
     "packed-collator": ([1, 0, 65, 1, 16, 30, 1, 52, 0, 0], 2),
 }
 # simulated (CPU, references): the same layouts at a few tokens; the layouts section runs the first two
-SIMULATED_LAYOUTS = {"zero-length": ([20, 0, 30, 0, 5, 0, 0], 1), "packed-collator": LAYOUTS["packed-collator"],
+SIMULATED_LAYOUTS = {"zero-length": ([7, 0, 9, 0, 5, 0, 0], 1), "packed-collator": ([1, 0, 5, 1, 3, 4, 1, 5, 0, 0], 2),
                      "chunk-size-pm-1": ([31, 33, 32, 65], 1), "padding-document": ([12, 1, 39], 1)}
 PADDING_DOCUMENT = {"padding-document": 2, "packed-collator": 7}  # the padding-only document of a layout
 
