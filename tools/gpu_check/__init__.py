@@ -1,3 +1,3 @@
-"""The GPU check (``python benchmarks/gpu_check.py``, the entry; ``run`` runs the sections in order): ``ops``
-(ops, layouts, known bugs), ``compiles`` (recompiles, families), ``sequence``, ``long_rows``, ``speed``, ``lora``;
-``common`` holds what they share."""
+"""The GPU check (``python -m tools.gpu_check``; ``run`` holds the sections' order and budget): ``families`` (stock
+beside patched, per family), ``ops`` (ops, layouts, known bugs, recompiles), ``probes`` (Hopper only),
+``sequence``, ``lora``; ``common`` holds what they share. It imports compilepack, never benchmarks/."""

@@ -1,30 +1,32 @@
-"""What every section of the GPU check shares: settings, the time budget, inputs, error capture."""
+"""What the GPU check's sections share: the run's context (device, budget, backends admitted here), inputs, errors."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import itertools
 import platform
+import sys
 import time
 import traceback
-from pathlib import Path
+import warnings
 
 import torch
 import torch.nn.functional as F
 import transformers
-from transformers import DataCollatorWithFlattening
 
 import compilepack
-from compilepack.ops import backends
 from compilepack.ops import (
+    backends,
     causal_conv1d_varlen,
     gated_delta_rule_varlen,
     kimi_delta_attention_varlen,
     mamba2_chunk_scan_varlen,
     varlen_attention,
 )
+from compilepack.patching import family_named
 
-HEADLINE = ["llama", "qwen3_next", "qwen3_5", "bamba"]
-COLLATE = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"  # the long-row probes run it in child processes
+HEADLINE = ["llama", "qwen3_5", "qwen3_next", "bamba"]
 KERNEL_BACKENDS = ("flash_attn", "torch_varlen", "causal_conv1d", "fla", "mamba_ssm")
 # largest error against the fp32 reference, relative to the largest fp32 entry, accepted per dtype
 TOLERANCE = {torch.bfloat16: 5e-2, torch.float16: 1e-2, torch.float32: 1e-4, torch.float64: 1e-8}
@@ -38,12 +40,14 @@ LAYOUTS = {
     "two-rows": ([300, 212, 400, 112], 2),
     "packed-collator": ([1, 0, 65, 1, 16, 30, 1, 52, 0, 0], 2),
 }
-SMOKE_LAYOUTS = ("zero-length", "packed-collator")
+# simulated (CPU, references): the same layouts at a few tokens; the layouts section runs the first two
+SIMULATED_LAYOUTS = {"zero-length": ([7, 0, 9, 0, 5, 0, 0], 1), "packed-collator": ([1, 0, 5, 1, 3, 4, 1, 5, 0, 0], 2),
+                     "chunk-size-pm-1": ([31, 33, 32, 65], 1), "padding-document": ([12, 1, 39], 1)}
 PADDING_DOCUMENT = {"padding-document": 2, "packed-collator": 7}  # the padding-only document of a layout
 
 
 class Budget:
-    """The run's time budget: a section starts only with ``needs_s`` seconds left."""
+    """The run's time budget: a section (or a family) starts only with its planned seconds left."""
 
     def __init__(self, seconds: float):
         self.end = time.perf_counter() + seconds
@@ -51,55 +55,132 @@ class Budget:
     def left(self) -> float:
         return self.end - time.perf_counter()
 
-    def run(self, needs_s: float, check, context=None):
-        if self.left() < needs_s:
-            return {**(context or {}), "skipped": f"time budget: {self.left():.0f} s left, needs {needs_s:.0f} s"}
+    def run(self, planned_s: float, check, context=None):
+        if self.left() < planned_s:
+            return {**(context or {}), "skipped": f"time budget: {self.left():.0f} s left, planned {planned_s:.0f} s"}
         return guarded(context or {}, check)
 
 
-# ------------------------------------------------------------------------------------------------ inputs
+@dataclasses.dataclass
+class Context:
+    """One run's settings and what this machine admits (``admitted``: op kind -> its kernel backends compilepack
+    accepts here, best first; ``refused``: "kind:backend" -> compilepack's message)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    simulate: bool
+    budget: Budget
+    compile_backend: str
+    families: list[str]
+    admitted: dict[str, list[str]]
+    refused: dict[str, str]
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def chosen(self) -> dict[str, str]:
+        """Per op kind the best admitted backend (the reference where none is): what the families patch with."""
+        return {kind: (names or [backends.REFERENCE])[0] for kind, names in self.admitted.items()}
+
+    def paths(self, kind: str) -> list[str]:
+        """The backends a kernel section runs for ``kind``: every admitted kernel, or (simulated, or none admitted)
+        the reference, so the section's plumbing still runs; on CPU a kernel name runs its reference anyway."""
+        return self.admitted[kind] or [backends.REFERENCE]
+
+    def refusals(self, kind: str) -> dict[str, str]:
+        return {key: message for key, message in self.refused.items() if key.startswith(f"{kind}:")}
+
+
+def admitted_backends() -> tuple[dict[str, list[str]], dict[str, str]]:
+    """Per op kind the installed kernel backends compilepack admits on this machine, and each refusal with its
+    message. Asked through the public ``resolve`` one kind at a time (every other kind on the reference), so that a
+    refusal of one kind never hides another's backends, before and after ``resolve`` learnt to skip refused
+    candidates under ``auto``."""
+    admitted, refused = {}, {}
+    for kind, candidates in backends.CANDIDATES.items():
+        admitted[kind] = []
+        for name in candidates:
+            if name == backends.REFERENCE or not backends.is_installed(name):
+                continue
+            ask = {other: backends.REFERENCE for other in backends.CANDIDATES} | {kind: name}
+            try:
+                backends.resolve(ask)
+            except (compilepack.KernelVersionError, ValueError) as refusal:
+                refused[f"{kind}:{name}"] = str(refusal)
+                continue
+            admitted[kind].append(name)
+    return admitted, refused
+
+
+def hide_from_stock(admitted, refused, families) -> dict[str, str]:
+    """Import the families' transformers modules while each kernel library that compilepack refuses for every op
+    kind it serves cannot be imported: stock transformers binds its kernels at import (stock Qwen3.5 sends its gated
+    delta rule to fla whenever fla imports, and fla #640 raises at the first backward), so stock runs its torch path
+    as patched runs the reference. The library is importable again after (compilepack's own answers unchanged)."""
+    hidden = {}
+    for key in refused:
+        kind, name = key.split(":")
+        if name != "torch_varlen" and not any(name in names for names in admitted.values()):  # torch stays
+            hidden[name] = f"refused for {kind!r}: hidden from stock transformers' imports"
+    before = {name: sys.modules.pop(name, None) for name in hidden}
+    sys.modules.update(dict.fromkeys(hidden))  # None: `import fla` raises ImportError
+    try:
+        for family in families:
+            with torch.device("meta"):
+                transformers.AutoModelForCausalLM.from_config(family_named(family).bench_config())
+    finally:
+        for name, module in before.items():
+            sys.modules.pop(name)
+            if module is not None:
+                sys.modules[name] = module
+    return hidden
+
+
+def auto_outcome(model=None) -> dict:
+    """What ``resolve("auto")`` (or ``compilepack.patch(model)``) does here: the backends, the warnings it gave, or
+    its refusal."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            chosen = backends.resolve("auto") if model is None else (
+                compilepack.patching.patch_state(compilepack.patch(model)).backends)
+            result = {"backends": chosen.describe()}
+        except (compilepack.KernelVersionError, ValueError) as refusal:
+            result = {"refused": str(refusal)}
+    notes = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    return {**result, "warnings": notes} if notes else result
 
 
 def cu_of(lengths, device):
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
-    return torch.tensor(cu, dtype=torch.int32, device=device)
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
 
 
 def seq_idx_of(lengths, device, rows=1):
-    """Document index per token, ``[rows, T / rows]``, numbered as the patch numbers them (a zero-length document
-    takes no tokens and leaves a gap in the numbering)."""
+    """Document index per token, ``[rows, T / rows]`` (a zero-length document leaves a gap in the numbering)."""
     counts = torch.tensor(lengths, device=device)
     return torch.repeat_interleave(torch.arange(len(lengths), device=device, dtype=torch.int32), counts).view(rows, -1)
 
 
-def as_padding(tokens, lengths, layout):
-    """The layout's padding-only document made of identical tokens: its first token's values repeated
-    (``tokens`` token-major, ``[rows * T or T, ...]`` contiguous views)."""
-    index = PADDING_DOCUMENT.get(layout)
-    if index is not None:
-        start, end = sum(lengths[:index]), sum(lengths[: index + 1])
-        for t in tokens:
-            t[start:end] = t[start]
-
-
-def op_cases(device):
-    """name -> (make, backend kind). ``make(lengths, rows, dtype, layout)`` returns the op's differentiable inputs,
-    the dimension of each that runs over tokens (None: a parameter; meaningful for one row) and ``call(inputs,
-    lengths, rows, backend)``."""
+def op_cases(device, head_dim=64):
+    """op name -> (make, op kind). ``make(lengths, rows, dtype, layout)`` returns the op's differentiable inputs, the
+    dimension of each that runs over tokens (None: a parameter) and ``call(inputs, lengths, rows, backend)``."""
     gen = torch.Generator(device="cpu").manual_seed(0)
+    randn = functools.partial(torch.randn, generator=gen)
 
-    def randn(*shape, scale=1.0):
-        return torch.randn(*shape, generator=gen) * scale
+    def tokens_of(lengths, rows, layout, *tokens):
+        """Token-major inputs shaped ``[rows, T / rows, ...]``, the layout's padding document one repeated token."""
+        if layout in PADDING_DOCUMENT:
+            start, end = sum(lengths[: PADDING_DOCUMENT[layout]]), sum(lengths[: PADDING_DOCUMENT[layout] + 1])
+            for t in tokens:
+                t[start:end] = t[start]
+        return [t.view(rows, t.shape[0] // rows, *t.shape[1:]) for t in tokens]
 
     def on(tensors, dtypes):
         return [t.to(device=device, dtype=d) for t, d in zip(tensors, dtypes)]
 
     def attention(lengths, rows, dtype, layout=None):
-        t = sum(lengths)
-        tokens = [randn(t, 8, 64), randn(t, 2, 64), randn(t, 2, 64)]
-        as_padding(tokens, lengths, layout)
+        tokens = [t[0] for t in tokens_of(lengths, 1, layout, *(randn(sum(lengths), h, 64) for h in (8, 2, 2)))]
 
         def call(x, ls, rows, b):
             return varlen_attention(*x, cu_of(ls, device), max(max(ls), 1), backend=b)
@@ -107,42 +188,36 @@ def op_cases(device):
         return on(tokens, [dtype] * 3), [0, 0, 0], call
 
     def conv(lengths, rows, dtype, layout=None):
-        t = sum(lengths)
-        x = randn(t, 256)
-        as_padding([x], lengths, layout)
-        x = x.view(rows, t // rows, 256).transpose(1, 2)  # channel-last, as transformers passes it
-        tensors = on([x, randn(256, 4, scale=0.5), randn(256)], [dtype] * 3)
+        (x,) = tokens_of(lengths, rows, layout, randn(sum(lengths), 256))
 
         def call(x, ls, rows, b):
             return causal_conv1d_varlen(*x, seq_idx_of(ls, device, rows), "silu", backend=b)
 
-        return tensors, [2, None, None], call
+        # channel-last, as transformers passes it
+        return on([x.transpose(1, 2), randn(256, 4) * 0.5, randn(256)], [dtype] * 3), [2, None, None], call
 
-    def delta_rule(per_channel):
+    def delta_rule(function, per_channel):
         def make(lengths, rows, dtype, layout=None):
-            t = sum(lengths)
-            decay = F.logsigmoid(randn(t, 8, 64) + 3) if per_channel else -torch.rand(t, 8, generator=gen) * 0.5
-            tokens = [randn(t, 4, 64), randn(t, 4, 64), randn(t, 8, 64), decay, torch.rand(t, 8, generator=gen)]
-            as_padding(tokens, lengths, layout)
-            shaped = [x.view(rows, t // rows, *x.shape[1:]) for x in tokens]
-            function = kimi_delta_attention_varlen if per_channel else gated_delta_rule_varlen
+            t, d = sum(lengths), head_dim
+            decay = F.logsigmoid(randn(t, 8, d) + 3) if per_channel else -torch.rand(t, 8, generator=gen) * 0.5
+            tokens = tokens_of(lengths, rows, layout, randn(t, 4, d), randn(t, 4, d), randn(t, 8, d), decay,
+                               torch.rand(t, 8, generator=gen))
 
             def call(x, ls, rows, b):
                 cu = cu_of(ls, device)
                 return function(*x, cu, use_qk_l2norm=True, cu_seqlens_cpu=cu.cpu(), backend=b)
 
-            return on(shaped, [dtype, dtype, dtype, torch.float32, dtype]), [1] * 5, call
+            return on(tokens, [dtype, dtype, dtype, torch.float32, dtype]), [1] * 5, call
 
         return make
 
     def ssd(lengths, rows, dtype, layout=None):
         t = sum(lengths)
-        tokens = [randn(t, 8, 64), randn(t, 8, scale=0.5), randn(t, 1, 64), randn(t, 1, 64)]
-        as_padding(tokens, lengths, layout)
-        x, dt, B, C = (v.view(rows, t // rows, *v.shape[1:]) for v in tokens)
-        A = -torch.rand(8, generator=gen) - 0.5
-        tensors = on([x, dt, A, B, C, torch.ones(8), torch.zeros(8)],
-                     [dtype, dtype, torch.float32, dtype, dtype, torch.float32, torch.float32])
+        x, dt, B, C = tokens_of(lengths, rows, layout, randn(t, 8, 64), randn(t, 8) * 0.5, randn(t, 1, 64),
+                                randn(t, 1, 64))
+        f32 = torch.float32
+        tensors = on([x, dt, -torch.rand(8, generator=gen) - 0.5, B, C, torch.ones(8), torch.zeros(8)],
+                     [dtype, dtype, f32, dtype, dtype, f32, f32])
 
         def call(x, ls, rows, b):
             xs, dt, A, B, C, D, dt_bias = x
@@ -152,19 +227,42 @@ def op_cases(device):
         return tensors, [1, 1, None, 1, 1, None, None], call
 
     return {"varlen_attention": (attention, "attention"), "causal_conv1d_varlen": (conv, "conv"),
-            "gated_delta_rule_varlen": (delta_rule(False), "gated_delta"),
-            "kimi_delta_attention_varlen": (delta_rule(True), "delta_rule"),
+            "gated_delta_rule_varlen": (delta_rule(gated_delta_rule_varlen, False), "delta_rule"),
+            "kimi_delta_attention_varlen": (delta_rule(kimi_delta_attention_varlen, True), "delta_rule"),
             "mamba2_chunk_scan_varlen": (ssd, "ssd")}
 
 
-def run_op(call, tensors, lengths, rows, backend, dtype=None):
-    """Output and input gradients (fp32 copies) of one call; ``dtype`` casts the float inputs first."""
+def run_op(call, tensors, backend, dtype=None):
+    """The outputs (one tensor, or a tuple flattened into one, fp32) of ``call(inputs, backend)`` and every input's
+    gradient (None where unused) for seeded random output weights; ``dtype`` casts the float inputs first."""
     inputs = [(t.to(dtype) if dtype is not None and t.is_floating_point() else t).detach().requires_grad_()
               for t in tensors]
-    out = call(inputs, lengths, rows, backend)
-    grad = torch.ones_like(out) / out.numel() ** 0.5
-    grads = torch.autograd.grad(out, inputs, grad, allow_unused=True)
-    return out.float(), [None if g is None else g.float() for g in grads]
+    outputs = call(inputs, backend)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    generator = torch.Generator(device=outputs[0].device).manual_seed(1)
+    weights = [torch.randn(o.shape, device=o.device, generator=generator, dtype=o.dtype) for o in outputs]
+    grads = torch.autograd.grad(outputs, inputs, weights, allow_unused=True)
+    return [torch.cat([o.float().reshape(-1) for o in outputs])] + [None if g is None else g.float() for g in grads]
+
+
+def against_reference(call, tensors, backend, dtype) -> dict:
+    """``backend``'s outputs and input gradients against the fp32 reference, each tensor apart, beside the
+    reference's own error in ``dtype``, by flash-attention's rule: the kernel within 2x the same-dtype reference's
+    error, or within the dtype's tolerance (the references compute in fp32, so their same-dtype error is only the
+    output's rounding)."""
+    kernel = run_op(call, tensors, backend)
+    same = run_op(call, tensors, backends.REFERENCE)
+    fp32 = run_op(call, tensors, backends.REFERENCE, torch.float32)
+    per_tensor, ok = {}, finite(*kernel)
+    for index, (k, s, f) in enumerate(zip(kernel, same, fp32)):
+        if k is not None and f is not None:
+            entry = {"kernel_vs_fp32": max_err(k, f), "reference_same_dtype_vs_fp32": max_err(s, f),
+                     "relative": relative_err(k, f)}
+            ok &= entry["kernel_vs_fp32"] <= 2 * entry["reference_same_dtype_vs_fp32"] + 1e-5 or (
+                entry["relative"] <= TOLERANCE[dtype])
+            per_tensor["out" if index == 0 else f"grad{index - 1}"] = entry
+    return {"backend": backend, "dtype": str(dtype), "finite": finite(*kernel), "per_tensor": per_tensor,
+            "relative_error": max(e["relative"] for e in per_tensor.values()), "ok": bool(ok)}
 
 
 def max_err(a, b):
@@ -184,7 +282,7 @@ def finite(*tensors):
 
 
 def synchronize(device):
-    if device.type == "cuda":
+    if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
 
 
@@ -193,41 +291,27 @@ def describe(error: BaseException) -> str:
 
 
 def guarded(context, check):
+    """``check()``'s result with its wall time (``wall_s`` where it is a dict), or its error: a check that fails is a
+    finding, recorded, and the run goes on."""
+    start = time.perf_counter()
     try:
-        return check()
-    except Exception as error:  # a check that fails is a finding: record it and go on
-        return {**context, "error": describe(error)}
+        result = check()
+    except Exception as error:  # noqa: BLE001 - a check that fails is a finding: recorded, and the run goes on
+        return {**context, "error": describe(error), "wall_s": round(time.perf_counter() - start, 2)}
+    if isinstance(result, dict) and "wall_s" not in result:
+        result = {**result, "wall_s": round(time.perf_counter() - start, 2)}
+    return result
 
 
-def usable_backends() -> tuple[backends.Backends, dict[str, str]]:
-    """The backends a GPU run patches with: per op kind the first installed candidate that compilepack admits here
-    (``auto`` refuses a library below its floor or wrong on this GPU instead of passing it over), and each refusal
-    met on the way ("kind:backend" -> its message), so one refused library still leaves the others checked."""
-    chosen, refused = {}, {}
-    for kind, candidates in backends.CANDIDATES.items():
-        for name in candidates:
-            if not backends.is_installed(name):
-                continue
-            try:
-                backends.check_floor(name, kind)
-                backends.check_platform(name, kind)
-            except backends.KernelVersionError as refusal:
-                refused[f"{kind}:{name}"] = str(refusal)
-                continue
-            chosen[kind] = name
-            break
-    return backends.Backends(**chosen), refused
-
-
-def environment(device):
+def environment(ctx: Context, hidden: dict) -> dict:
     info = {
         "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-        "compilepack": compilepack.__version__, "device": str(device),
+        "compilepack": compilepack.__version__, "device": str(ctx.device), "simulated": ctx.simulate,
         "installed": {name: backends.is_installed(name) for name in KERNEL_BACKENDS},
         "versions": {name: backends.installed_version(name) for name in backends.FLOORS},
-        "auto_backends": guarded({}, lambda: backends.resolve("auto").describe()),
-        "checked_backends": usable_backends()[0].describe(),
-        "refused_backends": usable_backends()[1],
+        "auto_backends": auto_outcome(),
+        "admitted_backends": ctx.admitted, "checked_backends": ctx.chosen(),
+        "refused_backends": ctx.refused, "hidden_from_stock": hidden,
     }
     try:
         import triton
@@ -235,7 +319,8 @@ def environment(device):
         info["triton"] = triton.__version__
     except ImportError:
         info["triton"] = None
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-        info["memory_gb"] = round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1)
+    if ctx.cuda:
+        info["gpu"] = torch.cuda.get_device_name(ctx.device)
+        info["capability"] = list(torch.cuda.get_device_capability(ctx.device))
+        info["memory_gb"] = round(torch.cuda.get_device_properties(ctx.device).total_memory / 2**30, 1)
     return info

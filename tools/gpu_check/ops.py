@@ -1,18 +1,23 @@
-"""Sections 1-3 of the GPU check: every op against its reference, the bugs' layouts, the bugs' triggers."""
+"""Op sections of the GPU check: every op against its reference, the reported bugs' layouts and triggers, and the
+Triton kernels' recompiles over varied batches. Each runs the backends compilepack admits on this machine only
+(``Context.admitted``) and records the refusals beside them."""
 
 from __future__ import annotations
 
+import inspect
+import random
+import sys
 
 import torch
 
-from compilepack.ops import backends
-from compilepack.ops import (
-    varlen_attention,
-)
+from compilepack.ops import backends, varlen_attention
+
 from .common import (
     LAYOUTS,
-    SMOKE_LAYOUTS,
+    SIMULATED_LAYOUTS,
     TOLERANCE,
+    Context,
+    against_reference,
     cu_of,
     describe,
     finite,
@@ -22,165 +27,194 @@ from .common import (
     relative_err,
     run_op,
     synchronize,
-    usable_backends,
 )
-from .long_rows import run_probe
 
-# ------------------------------------------------------------------------------------------------ ops
+OP_LENGTHS = [300, 1, 64, 1024, 17, 700]
+SIMULATED_OP_LENGTHS = [5, 1, 70]
 
 
-def check_op(name, make, kind, chosen, dtype, lengths):
-    backend = getattr(chosen, kind)
-    result = {"op": name, "backend": backend, "dtype": str(dtype), "lengths": lengths}
+def check_op(name, make, backend, dtype, lengths):
+    """One op on ``backend`` against the references (``against_reference``), and packed == each document alone
+    through the same kernel."""
     tensors, token_dims, call = make(lengths, 1, dtype)
-    kernel, kernel_grads = run_op(call, tensors, lengths, 1, backend)
-    same_dtype, same_dtype_grads = run_op(call, tensors, lengths, 1, backends.REFERENCE)
-    fp32, fp32_grads = run_op(call, tensors, lengths, 1, backends.REFERENCE, dtype=torch.float32)
-    kernel_err, ref_err = max_err(kernel, fp32), max_err(same_dtype, fp32)
-    result["out"] = {"kernel_vs_fp32": kernel_err, "reference_same_dtype_vs_fp32": ref_err,
-                     "relative": relative_err(kernel, fp32)}
-    # the references compute in fp32 whatever their inputs, so their "same dtype" error is only the output's
-    # rounding: a kernel that computes in bf16 passes by the dtype's tolerance instead
-    tolerance = TOLERANCE[dtype]
-    ok = kernel_err <= 2 * ref_err + 1e-5 or result["out"]["relative"] <= tolerance
-    result["grads"] = []
-    for g, r, f in zip(kernel_grads, same_dtype_grads, fp32_grads):
-        if g is None or f is None:
-            continue
-        entry = {"kernel_vs_fp32": max_err(g, f), "reference_same_dtype_vs_fp32": max_err(r, f),
-                 "relative": relative_err(g, f)}
-        ok &= entry["kernel_vs_fp32"] <= 2 * entry["reference_same_dtype_vs_fp32"] + 1e-5 or (
-            entry["relative"] <= tolerance)
-        result["grads"].append(entry)
-    result["packed_vs_alone_same_kernel"] = _packed_vs_alone(call, tensors, token_dims, lengths, backend, kernel)
-    result["ok"] = bool(ok and finite(kernel, *kernel_grads))
+    result = {"op": name, "lengths": lengths, **against_reference(
+        lambda x, b: call(x, lengths, 1, b), tensors, backend, dtype)}
+    packed = call(tensors, lengths, 1, backend).detach().float()
+    error, start = 0.0, 0
+    for n in (n for n in lengths if n):
+        pieces = [t if d is None else t.narrow(d, start, n) for t, d in zip(tensors, token_dims)]
+        alone = call(pieces, [n], 1, backend).detach().float()
+        error = max(error, max_err(packed.narrow(token_dims[0], start, n), alone))
+        start += n
+    result["packed_vs_alone_same_kernel"] = error
+    result["out"], *result["grads"] = result["per_tensor"].values()  # the names the first run's record used
     return result
 
 
-def _packed_vs_alone(call, tensors, token_dims, lengths, backend, packed):
-    """The same kernel on each document's slice of the same inputs, compared with the packed output."""
-    error, start = 0.0, 0
-    out_dim = token_dims[0]
-    for n in lengths:
-        if n == 0:
-            continue
-        pieces = [t if d is None else t.narrow(d, start, n) for t, d in zip(tensors, token_dims)]
-        alone, _ = run_op(call, pieces, [n], 1, backend)
-        error = max(error, max_err(packed.narrow(out_dim, start, n), alone))
-        start += n
-    return error
+def check_ops(ctx: Context):
+    """Every op on its kind's best admitted backend (the reference where none is: its first run on this device)."""
+    lengths = SIMULATED_OP_LENGTHS if ctx.simulate else OP_LENGTHS
+    chosen = ctx.chosen()
+    return [guarded({"op": name, "backend": chosen[kind]},
+                    lambda n=name, m=make, k=kind: check_op(n, m, chosen[k], ctx.dtype, lengths))
+            for name, (make, kind) in op_cases(ctx.device).items()]
 
 
-def check_ops(device, dtype, lengths):
-    chosen, _ = usable_backends()  # a refused library is recorded in the environment; its kind runs the next one
-    results = []
-    for name, (make, kind) in op_cases(device).items():
-        results.append(guarded({"op": name}, lambda: check_op(name, make, kind, chosen, dtype, lengths)))
-    return results
+def kernel_paths(ctx: Context) -> tuple[list[tuple[str, str]], dict[str, str]]:
+    """(op, backend) for every admitted kernel (simulated: the references), and the refusals passed over."""
+    paths, refused = [], {}
+    for op, (_, kind) in op_cases(ctx.device).items():
+        refused.update(ctx.refusals(kind))
+        if ctx.admitted[kind] or not ctx.cuda:
+            paths += [(op, backend) for backend in ctx.paths(kind)]
+    return paths, refused
 
 
-# ------------------------------------------------------------------------------------------------ layouts
-
-
-def kernel_paths(device) -> list[tuple[str, str]]:
-    """(op, backend) for every CUDA kernel path whose library is installed (each attention library on its own); on
-    CPU every op's reference, so the plumbing runs."""
-    if device.type != "cuda":
-        return [(name, backends.REFERENCE) for name in op_cases(device)]
-    paths = [("varlen_attention", b) for b in ("flash_attn", "torch_varlen") if backends.is_installed(b)]
-    for name, backend in (("causal_conv1d_varlen", "causal_conv1d"), ("gated_delta_rule_varlen", "fla"),
-                          ("kimi_delta_attention_varlen", "fla"), ("mamba2_chunk_scan_varlen", "mamba_ssm")):
-        if backends.is_installed(backend):
-            paths.append((name, backend))
-    return paths
-
-
-def check_layout(op, backend, layout, make, dtype):
-    """The kernel on one layout against the fp32 reference, each output and gradient apart, beside the reference's
-    own error in the same dtype: a miss is the kernel's only where it is also over twice that (flash-attention's
-    rule). The first GPU run (2026-12-04) saw KDA's padding-document layout at 0.33 with no way to tell which."""
-    lengths, rows = LAYOUTS[layout]
+def check_layout(op, backend, layout, make, dtype, simulate=False):
+    """The kernel on one of the reported bugs' layouts, per tensor (the first GPU run saw KDA's padding-document
+    layout at 0.33 with no way to tell which tensor)."""
+    lengths, rows = (SIMULATED_LAYOUTS if simulate else LAYOUTS)[layout]
     tensors, _, call = make(lengths, rows, dtype, layout)
-    kernel = _outputs(*run_op(call, tensors, lengths, rows, backend))
-    same_dtype = _outputs(*run_op(call, tensors, lengths, rows, backends.REFERENCE))
-    fp32 = _outputs(*run_op(call, tensors, lengths, rows, backends.REFERENCE, dtype=torch.float32))
-    names = ["out", *(f"grad{i}" for i in range(len(kernel) - 1))]
-    per_tensor = {
-        name: {"kernel": relative_err(k, f), "reference_same_dtype": relative_err(r, f)}
-        for name, k, r, f in zip(names, kernel, same_dtype, fp32) if k is not None and f is not None
-    }
-    worst = max(e["kernel"] for e in per_tensor.values())
-    within = all(e["kernel"] <= max(TOLERANCE[dtype], 2 * e["reference_same_dtype"]) for e in per_tensor.values())
-    all_finite = finite(*(t for t in kernel if t is not None))
-    return {"op": op, "backend": backend, "layout": layout, "lengths": lengths, "rows": rows, "dtype": str(dtype),
-            "finite": all_finite, "relative_error": worst, "per_tensor": per_tensor, "ok": all_finite and within}
+    return {"op": op, "layout": layout, "lengths": lengths, "rows": rows,
+            **against_reference(lambda x, b: call(x, lengths, rows, b), tensors, backend, dtype)}
 
 
-def _outputs(out, grads):
-    return [out, *grads]
-
-
-def check_layouts(device, dtype, smoke):
-    cases = op_cases(device)
-    names = SMOKE_LAYOUTS if smoke else tuple(LAYOUTS)
-    results = []
-    for op, backend in kernel_paths(device):
-        for layout in names:
-            context = {"op": op, "backend": backend, "layout": layout}
-            results.append(guarded(context, lambda: check_layout(op, backend, layout, cases[op][0], dtype)))
+def check_layouts(ctx: Context):
+    cases = op_cases(ctx.device)
+    paths, refused = kernel_paths(ctx)
+    results = [{"refused": key, "message": message} for key, message in refused.items()]
+    for op, backend in paths:
+        for layout in list(SIMULATED_LAYOUTS)[:2] if ctx.simulate else LAYOUTS:
+            results.append(guarded({"op": op, "backend": backend, "layout": layout}, lambda o=op, b=backend, la=layout:
+                                   check_layout(o, b, la, cases[o][0], ctx.dtype, ctx.simulate)))
     return results
 
 
 # ------------------------------------------------------------------------------------------------ known bugs
 
 
-def _short_attention_inputs(device, dtype):
-    """flash-attn #1537's trigger: 1-token and empty documents, max_seqlen 1, more query than key heads."""
+def _attention_bug(device, dtype, backend, alone):
+    """flash-attn #1537's trigger: 1-token and empty documents, max_seqlen 1, more query than key heads, on the
+    library alone and on compilepack's guarded path."""
     lengths = [1, 0, 1, 1, 0]
     gen = torch.Generator().manual_seed(0)
-    total = sum(lengths)
-    q, k, v = (torch.randn(total, heads, 64, generator=gen).to(device, dtype) for heads in (8, 2, 2))
-    return lengths, q, k, v
-
-
-def _attention_bug(device, dtype, backend, causal, alone):
-    lengths, q, k, v = _short_attention_inputs(device, dtype)
+    q, k, v = (torch.randn(sum(lengths), heads, 64, generator=gen).to(device, dtype) for heads in (8, 2, 2))
     cu = cu_of(lengths, device)
-    result = {"bug": "flash-attn #1537", "backend": backend, "causal": causal, "lengths": lengths}
+    result = {"bug": "flash-attn #1537", "backend": backend, "lengths": lengths}
     try:
         alone(q, k, v, cu)
         synchronize(device)
         result["library_alone"] = "ran"
-    except Exception as error:  # the reported failure: recorded, it is the finding
+    except Exception as error:  # noqa: BLE001 - the reported failure: recorded, it is the finding
         result["library_alone"] = describe(error)
-    guarded = varlen_attention(q, k, v, cu, 1, causal=causal, backend=backend).float()
-    reference = varlen_attention(q.float(), k.float(), v.float(), cu, 1, causal=causal, backend=backends.REFERENCE)
-    result["guarded_relative_error"] = relative_err(guarded, reference)
-    result["ok"] = finite(guarded) and result["guarded_relative_error"] <= TOLERANCE[dtype]
+    out = varlen_attention(q, k, v, cu, 1, backend=backend).float()
+    reference = varlen_attention(q.float(), k.float(), v.float(), cu, 1, backend=backends.REFERENCE)
+    result["guarded_relative_error"] = relative_err(out, reference)
+    result["ok"] = finite(out) and result["guarded_relative_error"] <= TOLERANCE[dtype]
     return result
 
 
-def check_known_bugs(device, dtype, budget):
-    """The reported bugs whose failure on the library alone is host-side (or a wrong value): run here. The ones that
-    may fault run in a child process (``PROBES``)."""
-    if device.type != "cuda":
-        return [{"skipped": "CUDA only"}]
-    results = []
-    if backends.is_installed("flash_attn"):
-        def flash_alone(q, k, v, cu):
-            flash = backends.load("flash_attn.flash_attn_interface")
-            return flash.flash_attn_varlen_func(q, k, v, cu, cu, 1, 1, causal=False)
+def _library_call(backend, cuda):
+    """The admitted attention library called directly, as a user would (simulated: the reference)."""
+    if backend == "flash_attn" and cuda:
+        flash = backends.load("flash_attn.flash_attn_interface")
+        return lambda q, k, v, cu: flash.flash_attn_varlen_func(q, k, v, cu, cu, 1, 1, causal=True)
+    if backend == "torch_varlen" and cuda:
+        varlen = backends.load("torch.nn.attention.varlen").varlen_attn
+        known = inspect.signature(varlen).parameters  # its keywords change from release to release
+        causal = {"is_causal": True} if "is_causal" in known else {"window_size": (-1, 0)}
+        gqa = {"enable_gqa": True} if "enable_gqa" in known else {}
+        return lambda q, k, v, cu: varlen(q, k, v, cu, cu, 1, 1, **causal, **gqa)
+    return lambda q, k, v, cu: varlen_attention(q, k, v, cu, 1, backend=backends.REFERENCE)
 
-        results.append(guarded({"bug": "flash-attn #1537", "backend": "flash_attn"},
-                                lambda: _attention_bug(device, dtype, "flash_attn", False, flash_alone)))
-    if backends.is_installed("torch_varlen"):
-        def torch_alone(q, k, v, cu):
-            backends.load("torch.nn.attention.varlen")
-            return torch.ops.torch_attn._varlen_attn(q, k, v, cu, cu, 1, 1, True, 0.125, [-1, -1], True, None, None,
-                                                     None)
 
-        results.append(guarded({"bug": "flash-attn #1537", "backend": "torch_varlen"},
-                                lambda: _attention_bug(device, dtype, "torch_varlen", True, torch_alone)))
-    for probe in ("conv_seq_idx_tail", "fla_slack_rows"):
-        results.append(budget.run(45, lambda p=probe: run_probe(p, timeout=min(90, budget.left())), {"probe": probe}))
-    return results
+def check_known_bugs(ctx: Context):
+    """The reported bugs whose failure on the library alone is host-side or a wrong value, run in this process, on
+    each admitted attention library (conv #117 and fla #892 need libraries the lent image lacks or refuses)."""
+    results = [{"refused": key, "message": message} for key, message in ctx.refusals("attention").items()]
+    for backend in ctx.admitted["attention"] or ([] if ctx.cuda else [backends.REFERENCE]):
+        results.append(guarded({"bug": "flash-attn #1537", "backend": backend},
+                               lambda b=backend: _attention_bug(ctx.device, ctx.dtype, b, _library_call(b, ctx.cuda))))
+    return results or [{"skipped": "no admitted attention library"}]
+
+
+# ------------------------------------------------------------------------------------------------ recompiles
+
+
+def _triton_kernels(prefixes=("fla.", "mamba_ssm.")):
+    """Every Triton kernel the kernel libraries define, by name: (JIT function, the autotuners around it)."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return {}
+    found = {}
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not module_name.startswith(prefixes):
+            continue
+        for value in list(vars(module).values()):
+            tuners, fn = [], value
+            for _ in range(4):  # Autotuner / Heuristics wrappers hold the JIT function in .fn
+                if isinstance(fn, JITFunction) or not hasattr(fn, "fn"):
+                    break
+                if isinstance(getattr(fn, "cache", None), dict):
+                    tuners.append(fn)
+                fn = fn.fn
+            if isinstance(fn, JITFunction):
+                found[f"{fn.__module__}.{fn.__name__}"] = (fn, tuners)
+    return found
+
+
+def _cache_sizes() -> dict[str, tuple[int, int]]:
+    """Per kernel: (compiled variants, autotuned keys)."""
+    sizes = {}
+    for name, (fn, tuners) in _triton_kernels().items():
+        caches = getattr(fn, "device_caches", {})
+        variants = sum(len(entry[0]) for entry in caches.values()) if isinstance(caches, dict) else 0
+        sizes[name] = (variants, sum(len(t.cache) for t in tuners))
+    return sizes
+
+
+def varied_batches(seed, count, longest=700):
+    """(lengths, rows): 1 or 2 rows of up to 6 documents each, an empty document after the first."""
+    rng = random.Random(seed)
+    batches = []
+    for _ in range(count):
+        per_row = []
+        for _ in range(rng.choice([1, 2])):
+            row = [rng.randint(1, longest) for _ in range(rng.randint(1, 6))]
+            row.insert(rng.randint(1, len(row)), 0)
+            per_row.append(row)
+        length = max(sum(row) for row in per_row)
+        for row in per_row:
+            row[0] += length - sum(row)  # rows of one length
+        batches.append(([n for row in per_row for n in row], len(per_row)))
+    return batches
+
+
+def check_recompiles(ctx: Context):
+    """After one warm-up batch, batches of new lengths, document counts and rows through each admitted Triton op,
+    forward and backward: the JIT variants and autotuning runs they add, per kernel (dynamo's own recompiles are
+    the families section's ``compiles_over_batches``)."""
+    cases = op_cases(ctx.device)
+    paths, refused = kernel_paths(ctx)
+    paths = [(op, b) for op, b in paths if b in ("fla", "mamba_ssm") or not ctx.cuda]
+    results = {"refused": refused} if refused else {}
+    for op, backend in paths:
+        def stream(seed, count, make=cases[op][0], b=backend):
+            for lengths, rows in varied_batches(seed, count, 30 if ctx.simulate else 700):
+                tensors, _, call = make(lengths, rows, ctx.dtype)
+                run_op(lambda x, b, c=call, ls=lengths, r=rows: c(x, ls, r, b), tensors, b)
+            synchronize(ctx.device)
+
+        def count(s=stream):
+            s(0, 1)
+            before = _cache_sizes()
+            s(1, 2 if ctx.simulate else 6)
+            after = _cache_sizes()
+            grown = {k: (after[k][0] - before.get(k, (0, 0))[0], after[k][1] - before.get(k, (0, 0))[1])
+                     for k in after if after[k] != before.get(k, (0, 0))}
+            return {"new_jit_variants": {k: v for k, (v, _) in grown.items() if v},
+                    "new_autotune_runs": {k: t for k, (_, t) in grown.items() if t}, "ok": not grown}
+
+        results[f"{op}/{backend}"] = guarded({}, count)
+    return results or {"skipped": "no admitted Triton kernel library"}

@@ -1,48 +1,27 @@
-"""GPU validation of the kernel paths: one prepared script, one JSON.
+"""The GPU check: one command that fits one device lease (docs/benchmarks.md), one JSON written after every section.
 
-    python benchmarks/gpu_check.py --out gpu_check.json                     # on a CUDA machine (< 10 minutes)
-    python benchmarks/gpu_check.py --device cpu --smoke --out smoke.json    # the same plumbing on CPU, seconds
+    python -m tools.gpu_check --out $OUT/gpu_check.json --cache-out $OUT     # on a CUDA machine, ~8 minutes cold
+    python -m tools.gpu_check --simulate --families llama --out sim.json     # every section on CPU, in seconds
 
-(also ``python -m benchmarks gpu-check``; ``benchmarks/gpu_check.py`` is the entry, this package the check.)
-
-On CUDA it checks, with whatever kernel libraries are installed (``compilepack.backends``), in this order, each
-section only while the time budget (``--budget-s``, 480 s: a section started may run on) lasts:
-
-1. ops: every op with its CUDA backend against the pure-torch reference, forward and input gradients, by the
-   flash-attention rule "kernel error <= 2x the same-dtype reference error vs an fp32 reference" or an error
-   within the dtype's tolerance, and packed == each document run alone through the same kernel;
-2. layouts: every kernel path (flash-attn and torch's varlen attention, causal-conv1d, fla's gated delta rule and
-   Kimi delta attention, mamba-ssm's SSD scan) on the layouts of the reported varlen bugs (docs/kernels.md):
-   1-token documents, chunk size +-1, zero-length documents in the middle and at the end, a padding-only document,
-   two rows, the fixed-shape collator's layout; finite outputs and gradients within tolerance of fp32;
-3. known bugs: each reported bug's trigger on the library alone and on compilepack's guarded path (flash-attn
-   #1537 in both attention kernels; causal-conv1d #117 and fla #892 in a child process, since the library alone
-   may fault);
-4. recompiles: a stream of varied batches through the Triton ops after one warm-up batch: new JIT variants and
-   new autotuning runs per kernel (fla's and mamba-ssm's own caches);
-4b. sequence ops: the sequence mode's state ops (fla, mamba-ssm) and gathered-key attention (flash-attn, torch's
-   varlen) on a rank's slice (a document from an earlier rank, 1-token and empty documents, two rows), outputs,
-   final states and gradients (the initial state's too) against the references (``gpu/sequence.py``);
-5. families: a patched bench model per family in bf16, packed logits vs each document alone, explain
-   (graphs/breaks), compiles over 6 varied HF batches, and a compiled (inductor) training step run under
-   ``torch.cuda.set_sync_debug_mode("error")``: any device-to-host sync raises and is recorded with its op;
-5b. QLoRA: a 4-bit bitsandbytes model per family, ``prepare_model_for_kbit_training``, LoRA on every linear
-   layer, patched: graphs and breaks in train mode, compiles over 4 varied batches, compiled loss and LoRA
-   gradients against eager (``lora.py``; without bitsandbytes the reason is the finding);
-6. long rows: rows near the int32 limits the bugs name (mamba #1015/#1036, causal-conv1d #114; fla and flash-attn
-   index in int64), where memory allows, each in a child process: the last document of a long row vs the same
-   document alone, on the guarded path just below and just above the limit and on the library alone above it;
-7. speed: tokens/s of patched compiled vs stock on the same HF-collated batches (stock: sdpa with the dense
-   packed mask for attention-only models, right-padded batches for hybrids; FA2 padding-free when flash-attn
-   is installed), each stock result naming the path stock ran (``stock_path``).
-
-Every check records its error instead of stopping the run, so one JSON always comes back.
+Sections in order (``PLANNED_S``), each started only while the budget (``--budget-s``) has its planned seconds
+left, else recorded as skipped with the reason: families (stock beside patched per family, each guarded: speed,
+compiles, a sync-free step, exactness; ``families.py``), ops, layouts, hopper_probes (``probes.py``), known_bugs,
+sequence_ops, recompiles, qlora. A backend compilepack refuses here is recorded with its message, never run;
+whatever is admitted runs. A library refused for every kind it serves is hidden from stock's imports, so stock
+runs without it too. Triton's and inductor's caches live under ``--cache-dir``, Triton's autotuning is pruned to
+``--autotune-configs`` per kernel (stock and patched call the same pruned kernels); ``--cache-out`` packs the caches
+for the next lease, ``--cache-from`` unpacks them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import glob
+import importlib.util
 import json
+import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -50,73 +29,185 @@ import torch
 
 import compilepack
 
-from .common import Budget, HEADLINE, environment, guarded
-from .compiles import check_family, check_recompiles
-from .long_rows import PROBES, check_long_rows
+from .common import (
+    HEADLINE,
+    Budget,
+    Context,
+    admitted_backends,
+    environment,
+    guarded,
+    hide_from_stock,
+)
+from .families import check_family
 from .lora import check_qlora
-from .ops import check_known_bugs, check_layouts, check_ops
+from .ops import check_known_bugs, check_layouts, check_ops, check_recompiles
+from .probes import hopper_probes, run_hopper_probes
 from .sequence import check_sequence_ops
-from .speed import measure_speed
+
+# planned seconds on a Hopper GPU, cold caches, pruned autotuning (families: per family, the rest per section)
+FAMILY_PLANNED_S = {"llama": 50, "qwen3_5": 75, "qwen3_next": 75, "bamba": 90}
+PLANNED_S = {"families": 290, "ops": 30, "layouts": 40, "hopper_probes": 180, "known_bugs": 10, "sequence_ops": 30,
+             "recompiles": 30, "qlora": 20}
+SIMULATED_PLANNED_S = 0.5  # per section and family: --simulate --budget-s 0 shows every guard
+SECTIONS = tuple(PLANNED_S)
+CACHES = ("triton", "inductor")
 
 
-# the sections in the order a full run takes them (the ops first: every later section builds on the kernels)
-SECTIONS = ("ops", "layouts", "known_bugs", "recompiles", "sequence_ops", "families", "qlora", "long_rows", "speed")
+def families_section(ctx: Context, report: dict, save):
+    report["speed"], report["families"] = [], []
+    for name in ctx.families:
+        planned = SIMULATED_PLANNED_S if ctx.simulate else FAMILY_PLANNED_S.get(name, 75)
+        done = ctx.budget.run(planned, lambda n=name: check_family(n, ctx), {"family": name})
+        speed, checks = done if isinstance(done, tuple) else (done, done)
+        report["speed"].append(speed)
+        report["families"].append(checks)
+        save()  # after every family too: the first section is most of the run
 
 
-def _probe_main(name: str, out: str) -> int:
-    """Child process of :func:`run_probe`: run the probe, write its JSON (its error if it raised)."""
-    function = PROBES[name][0]
-    result = guarded({}, function)
-    Path(out).write_text(json.dumps(result, indent=2))
-    return 0
+def sections(ctx: Context, report: dict, probe_timeout, save):
+    """name -> what fills ``report[name]`` (the families fill ``speed`` too)."""
+    checks = {"ops": check_ops, "layouts": check_layouts, "known_bugs": check_known_bugs,
+              "sequence_ops": check_sequence_ops, "recompiles": check_recompiles,
+              "hopper_probes": lambda ctx: run_hopper_probes(ctx, probe_timeout()),
+              "qlora": lambda ctx: [guarded({"family": n}, lambda n=n: check_qlora(n, ctx)) for n in ctx.families]}
+    run = {name: (lambda n=name, check=check: report.__setitem__(n, check(ctx))) for name, check in checks.items()}
+    return {"families": lambda: families_section(ctx, report, save), **run}
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python benchmarks/gpu_check.py", description=__doc__,
+def write(report: dict, out: Path):
+    """The JSON as it stands (after every section: a killed run still returns what it reached)."""
+    partial = out.with_suffix(".partial")
+    partial.write_text(json.dumps(report, indent=2, default=str))
+    os.replace(partial, out)
+
+
+@contextlib.contextmanager
+def caches(folder: Path, configs: int):
+    """Triton's and inductor's on-disk caches under ``folder`` (autotuning results included), Triton's autotuning
+    pruned to ``configs`` configs per kernel (0: all; the library's own pruning first); all restored after."""
+    settings = {"TRITON_CACHE_DIR": str(folder / "triton"), "TRITON_CACHE_AUTOTUNING": "1",
+                "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor")}
+    before = {key: os.environ.get(key) for key in settings}
+    os.environ.update(settings)
+    autotuner = importlib.import_module("triton.runtime.autotuner") if importlib.util.find_spec("triton") else None
+    original = autotuner and autotuner.Autotuner.prune_configs
+    if autotuner and configs:
+        autotuner.Autotuner.prune_configs = lambda self, *args, **kwargs: original(self, *args, **kwargs)[:configs]
+    note = "stock and patched call the same pruned kernels (this process only: not the probes')"
+    try:
+        yield {**settings, "autotune_configs_per_kernel": (configs or "all") if autotuner else "no triton",
+               "autotune_note": note}
+    finally:
+        if autotuner:
+            autotuner.Autotuner.prune_configs = original
+        os.environ.update({key: value for key, value in before.items() if value is not None})
+        for key in (key for key, value in before.items() if value is None):
+            os.environ.pop(key)
+
+
+def _shell(command: str) -> None:
+    subprocess.run(["bash", "-c", "set -euo pipefail; " + command], check=True, capture_output=True, text=True)
+
+
+def unpack_caches(source: Path, folder: Path) -> dict:
+    """The archives ``--cache-out`` wrote (``gpucache-<name>.tar.xz.<part>``), unpacked into ``folder``."""
+    found = {}
+    for name in CACHES:
+        parts = sorted(glob.glob(str(source / f"gpucache-{name}.tar.xz.*")))
+        if parts:
+            (folder / name).mkdir(parents=True, exist_ok=True)
+            _shell(f"cat {' '.join(parts)} | xz -d | tar -C {folder / name} -xf -")
+            found[name] = len(parts)
+    return found
+
+
+def pack_caches(folder: Path, out: Path, limit_mb: float) -> dict:
+    """Each cache as an xz tar in 15 MB parts (the device tool returns files of at most 16 MiB); inductor's is
+    dropped when both together pass ``limit_mb`` (Triton's cubins and autotuning results come first)."""
+    sizes = {}
+    for name in (name for name in CACHES if (folder / name).is_dir()):
+        _shell(f"tar -C {folder / name} -cf - . | xz -T0 -6 | split -b 15M - {out}/gpucache-{name}.tar.xz.")
+        sizes[name] = sum(os.path.getsize(p) for p in glob.glob(f"{out}/gpucache-{name}.tar.xz.*")) / 2**20
+    if sum(sizes.values()) > limit_mb and "inductor" in sizes:
+        for part in glob.glob(f"{out}/gpucache-inductor.tar.xz.*"):
+            os.remove(part)
+        sizes["inductor"] = f"dropped: {sizes['inductor']:.1f} MB would pass {limit_mb} MB with Triton's"
+    return sizes
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser(prog="python -m tools.gpu_check", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="gpu_check.json")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--simulate", action="store_true",
+                        help="on CPU, tiny sizes, the references for the kernels: every section in seconds")
     parser.add_argument("--families", default=",".join(HEADLINE), help="comma list, or 'all'")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes: exercise the plumbing in seconds")
-    parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend (smoke: eager)")
-    parser.add_argument("--budget-s", type=float, default=480.0,
-                        help="seconds after which no section starts (one started may run on: keep a margin)")
-    parser.add_argument("--sections", default="all",
-                        help=f"comma list of sections to run, of {','.join(SECTIONS)} (default all): a rerun on a "
-                             "short device lease runs what the last one could not reach")
-    parser.add_argument("--probe", choices=sorted(PROBES), help=argparse.SUPPRESS)  # a child process's one probe
+    parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend (simulated: eager)")
+    parser.add_argument("--budget-s", type=float, default=420.0,
+                        help="seconds from the start after which no section starts (420: the command ends in ~8 min)")
+    parser.add_argument("--sections", default="all", help=f"comma list of {','.join(SECTIONS)} (default all)")
+    parser.add_argument("--cache-dir", default=".gpucache", help="Triton's and inductor's caches")
+    parser.add_argument("--cache-from", help="a folder of archives --cache-out wrote (a carried earlier lease's)")
+    parser.add_argument("--cache-out", help="a folder to pack the caches into, after the sections (e.g. $OUT)")
+    parser.add_argument("--cache-limit-mb", type=float, default=36.0)
+    parser.add_argument("--autotune-configs", type=int, default=2, help="Triton configs kept per kernel (0: all)")
+    parser.add_argument("--probe", choices=["hopper"], help=argparse.SUPPRESS)  # the probes' child process
     args = parser.parse_args(argv)
-    if args.probe:
-        return _probe_main(args.probe, args.out)
-    device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    names = [f.name for f in compilepack.families()] if args.families == "all" else args.families.split(",")
-    started = time.perf_counter()
-    budget = Budget(args.budget_s)
-    sections = SECTIONS if args.sections == "all" else tuple(args.sections.split(","))
-    unknown = sorted(set(sections) - set(SECTIONS))
+    chosen = SECTIONS if args.sections == "all" else tuple(args.sections.split(","))
+    unknown = sorted(set(chosen) - set(SECTIONS))
     if unknown:
         parser.error(f"--sections: unknown {unknown}; expected some of {','.join(SECTIONS)}")
-    report = {"environment": environment(device)}
-    backend = "eager" if args.smoke else args.compile_backend
-    steps, tokens = (2, 512) if args.smoke else (8, 16384)
-    run = {
-        "ops": lambda: check_ops(device, dtype, [5, 1, 70] if args.smoke else [300, 1, 64, 1024, 17, 700]),
-        "layouts": lambda: budget.run(30, lambda: check_layouts(device, dtype, args.smoke), {}),
-        "known_bugs": lambda: budget.run(30, lambda: check_known_bugs(device, dtype, budget), {}),
-        "recompiles": lambda: budget.run(30, lambda: check_recompiles(device, dtype, args.smoke), {}),
-        "sequence_ops": lambda: budget.run(40, lambda: check_sequence_ops(device, dtype, args.smoke), {}),
-        "families": lambda: [budget.run(60, lambda n=n: check_family(n, device, dtype, args.smoke, backend),
-                                        {"family": n}) for n in names],
-        "qlora": lambda: [budget.run(60, lambda n=n: check_qlora(n, device, backend), {"family": n}) for n in names],
-        "long_rows": lambda: check_long_rows(device, budget),
-        "speed": lambda: [budget.run(45, lambda n=n: measure_speed(n, device, dtype, steps, tokens, backend,
-                                                                   args.smoke), {"family": n}) for n in names],
-    }
-    for section in sections:
-        report[section] = run[section]()
-    report["wall_s"] = time.perf_counter() - started
-    Path(args.out).write_text(json.dumps(report, indent=2))
-    print(json.dumps(report, indent=2))
-    return 0
+    args.sections = chosen
+    if args.simulate:
+        args.device, args.compile_backend = "cpu", "eager"
+    elif not args.probe and not torch.cuda.is_available():
+        parser.error("no CUDA device: run on a GPU, or add --simulate to run every section on CPU")
+    return args
 
+
+def main(argv=None, started=None) -> int:
+    """``started``: ``time.perf_counter()`` at the process's start (``__main__``), so that the budget counts the
+    imports too."""
+    started = time.perf_counter() if started is None else started
+    args = parse(argv)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    out = Path(args.out)
+    if args.probe:
+        write(guarded({}, lambda: hopper_probes(device, dtype, args.simulate)), out)
+        return 0
+    folder = Path(args.cache_dir).resolve()
+    with caches(folder, args.autotune_configs) as cache_settings:
+        unpacked = unpack_caches(Path(args.cache_from), folder) if args.cache_from else {}
+        admitted, refused = admitted_backends()
+        names = [f.name for f in compilepack.families()] if args.families == "all" else args.families.split(",")
+        hidden = {} if args.simulate else hide_from_stock(admitted, refused, names)
+        budget = Budget(args.budget_s - (time.perf_counter() - started))
+        ctx = Context(device, dtype, args.simulate, budget, args.compile_backend, names, admitted, refused)
+        report = {"environment": environment(ctx, hidden), "caches": {**cache_settings, "unpacked": unpacked},
+                  "budget_s": args.budget_s, "sections": {}}
+        write(report, out)
+
+        run = sections(ctx, report, lambda: max(30.0, min(300.0, budget.left())), lambda: write(report, out))
+        for name in args.sections:
+            planned = SIMULATED_PLANNED_S if args.simulate else PLANNED_S[name]
+            if name != "families" and budget.left() < planned:  # the families guard each family
+                reason = f"time budget: {budget.left():.0f} s left, planned {planned} s"
+                report[name] = {"skipped": reason}
+                report["sections"][name] = {"planned_s": planned, "skipped": reason}
+            else:
+                start = time.perf_counter()
+                done = guarded({}, run[name])
+                report.update({name: done} if isinstance(done, dict) and "error" in done else {})
+                report["sections"][name] = {"planned_s": planned, "wall_s": round(time.perf_counter() - start, 1)}
+            report["wall_s"] = round(time.perf_counter() - started, 1)
+            write(report, out)
+            print(f"gpu_check: {name} {report['sections'][name]}", flush=True)
+        if args.cache_out:
+            report["caches"]["packed_mb"] = guarded({}, lambda: pack_caches(folder, Path(args.cache_out),
+                                                                               args.cache_limit_mb))
+        report["wall_s"] = round(time.perf_counter() - started, 1)
+        write(report, out)
+    print(f"gpu_check: {report['wall_s']} s, {out}", flush=True)
+    return 0

@@ -4,9 +4,8 @@ The state ops (``gated_delta_rule_varlen_state`` and ``kimi_delta_attention_varl
 ``mamba2_chunk_scan_varlen_state`` on mamba-ssm) and gathered-key attention (``varlen_attention_kv`` on flash-attn
 and on torch's varlen ops), each on one rank's slice as the sequence mode builds it: a first document that started
 on an earlier rank (a nonzero initial state; keys reaching back before the slice), 1-token and empty documents, two
-rows. Outputs (the final states too) and every input gradient (the initial state's too) by the ops section's rule:
-kernel error vs an fp32 reference <= 2x the same-dtype reference's, or within the dtype's tolerance. Small on
-purpose (2 x 1024 tokens): the section's time is the kernels' first compilation.
+rows. Outputs (the final states too) and every input gradient (the initial state's too) by the ops section's rule
+(``common.against_reference``). Small on purpose (2 x 1024 tokens): the section's time is the kernels' first JIT.
 """
 
 from __future__ import annotations
@@ -14,48 +13,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from compilepack.ops import backends
 from compilepack.distributed import scan
 from compilepack.ops.attention import varlen_attention_kv
 from compilepack.ops.gated_delta_rule import gated_delta_rule_varlen_state
 from compilepack.ops.kimi_delta_attention import kimi_delta_attention_varlen_state
 from compilepack.ops.mamba2 import mamba2_chunk_scan_varlen_state
-from .common import TOLERANCE, cu_of, finite, guarded, max_err, relative_err
+
+from .common import against_reference, cu_of, guarded
 
 # a rank's slice of two rows: row 0 = (empty), 300 tokens of a document from the previous rank, 1, (empty), 723;
 # row 1 = 1 token of a document from the previous rank, 64, 959
 SLICE_LENGTHS, ROWS = [0, 300, 1, 0, 723, 1, 64, 959], 2
-SMOKE_SLICE_LENGTHS = [0, 10, 1, 0, 5, 1, 6, 9]
+SIMULATED_SLICE_LENGTHS = [0, 10, 1, 0, 5, 1, 6, 9]
 # gathered-key attention, rank 1 of 2 over rows of 2048: its queries are tokens 1024-2047, its keys 0-2047
 ATTENTION_LENGTHS, ATTENTION_WORLD = [300, 1, 900, 847, 1024, 1000, 24], 2
-SMOKE_ATTENTION_LENGTHS = [3, 1, 9, 3, 8, 6, 2]
-
-
-def _run(call, tensors, backend, dtype):
-    """The outputs (flattened, fp32) and every input gradient of ``call`` with ``backend``, inputs cast to dtype."""
-    inputs = [t.to(dtype).detach().requires_grad_() for t in tensors]
-    outputs = call(inputs, backend)
-    generator = torch.Generator(device=inputs[0].device).manual_seed(1)
-    weights = [torch.randn(o.shape, device=o.device, generator=generator, dtype=o.dtype) for o in outputs]
-    grads = torch.autograd.grad(outputs, inputs, weights, allow_unused=True)
-    return torch.cat([o.float().reshape(-1) for o in outputs]), [g.float() for g in grads if g is not None]
-
-
-def _compare(name, call, tensors, backend, dtype):
-    """The ops section's rule on outputs and gradients: the kernel within 2x the same-dtype reference's error vs
-    fp32 (or within the dtype's tolerance)."""
-    kernel, kernel_grads = _run(call, tensors, backend, dtype)
-    same, same_grads = _run(call, tensors, backends.REFERENCE, dtype)
-    fp32, fp32_grads = _run(call, tensors, backends.REFERENCE, torch.float32)
-    entries, ok = [], finite(kernel, *kernel_grads)
-    for what, k, s, f in [("out", kernel, same, fp32)] + [
-            (f"grad {i}", *g) for i, g in enumerate(zip(kernel_grads, same_grads, fp32_grads))]:
-        entry = {"what": what, "kernel_vs_fp32": max_err(k, f), "reference_same_dtype_vs_fp32": max_err(s, f),
-                 "relative": relative_err(k, f)}
-        ok &= entry["kernel_vs_fp32"] <= 2 * entry["reference_same_dtype_vs_fp32"] + 1e-5 or (
-            entry["relative"] <= TOLERANCE[dtype])
-        entries.append(entry)
-    return {"op": name, "backend": backend, "dtype": str(dtype), "errors": entries, "ok": bool(ok)}
+SIMULATED_ATTENTION_LENGTHS = [3, 1, 9, 3, 8, 6, 2]
 
 
 def _delta_rule_case(state_op, per_channel, lengths, device, width):
@@ -95,7 +67,7 @@ def _mamba2_case(lengths, device, width):
     return call, [t.to(device) for t in (x, dt, A, B, C, D, dt_bias)]
 
 
-def _attention_case(lengths, device, width):
+def attention_case(lengths, device, width, kv_heads=2):
     length = sum(lengths) // ROWS
     local = length // ATTENTION_WORLD
     cu = cu_of(lengths, "cpu")
@@ -103,7 +75,7 @@ def _attention_case(lengths, device, width):
     cu_k = scan.local_cu_seqlens(cu, ROWS, length, 0, length)
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(ROWS * local, 8, 2 * width, generator=generator)
-    k, v = (torch.randn(ROWS * length, 2, 2 * width, generator=generator) for _ in range(2))
+    k, v = (torch.randn(ROWS * length, kv_heads, 2 * width, generator=generator) for _ in range(2))
 
     def call(inputs, backend):
         return (varlen_attention_kv(*inputs, cu_q.to(device), cu_k.to(device), local, length,
@@ -112,25 +84,27 @@ def _attention_case(lengths, device, width):
     return call, [t.to(device) for t in (q, k, v)]
 
 
-def check_sequence_ops(device, dtype, smoke):
-    """Every sequence-mode op on each installed kernel library of its kind (on CPU: the references, so the plumbing
-    runs)."""
-    lengths = SMOKE_SLICE_LENGTHS if smoke else SLICE_LENGTHS
-    attention_lengths = SMOKE_ATTENTION_LENGTHS if smoke else ATTENTION_LENGTHS
-    width = 8 if smoke else 64  # head width (K = V for the delta rules, P for Mamba2; twice it for attention)
+def check_sequence_ops(ctx):
+    """Every sequence-mode op on each admitted kernel library of its kind (refusals recorded, not run; simulated:
+    the references, so the plumbing runs)."""
+    lengths = SIMULATED_SLICE_LENGTHS if ctx.simulate else SLICE_LENGTHS
+    attention_lengths = SIMULATED_ATTENTION_LENGTHS if ctx.simulate else ATTENTION_LENGTHS
+    width = 8 if ctx.simulate else 64  # head width (K = V for the delta rules, P for Mamba2; twice it for attention)
     cases = {
-        "gated_delta_rule_varlen_state": (("fla",), lambda: _delta_rule_case(
-            gated_delta_rule_varlen_state, False, lengths, device, width)),
-        "kimi_delta_attention_varlen_state": (("fla",), lambda: _delta_rule_case(
-            kimi_delta_attention_varlen_state, True, lengths, device, width)),
-        "mamba2_chunk_scan_varlen_state": (("mamba_ssm",), lambda: _mamba2_case(lengths, device, width)),
-        "varlen_attention_kv": (("flash_attn", "torch_varlen"),
-                                lambda: _attention_case(attention_lengths, device, width)),
+        "gated_delta_rule_varlen_state": ("delta_rule", lambda: _delta_rule_case(
+            gated_delta_rule_varlen_state, False, lengths, ctx.device, width)),
+        "kimi_delta_attention_varlen_state": ("delta_rule", lambda: _delta_rule_case(
+            kimi_delta_attention_varlen_state, True, lengths, ctx.device, width)),
+        "mamba2_chunk_scan_varlen_state": ("ssd", lambda: _mamba2_case(lengths, ctx.device, width)),
+        "varlen_attention_kv": ("attention", lambda: attention_case(attention_lengths, ctx.device, width)),
     }
     results = []
-    for name, (libraries, make) in cases.items():
-        chosen = [b for b in libraries if device.type == "cuda" and backends.is_installed(b)] or [backends.REFERENCE]
-        for backend in chosen:
+    for name, (kind, make) in cases.items():
+        results += [{"op": name, "refused": key, "message": message} for key, message in ctx.refusals(kind).items()]
+        if ctx.cuda and not ctx.admitted[kind]:
+            results.append({"op": name, "skipped": f"no admitted kernel for {kind!r} on this machine"})
+            continue
+        for backend in ctx.paths(kind):
             results.append(guarded({"op": name, "backend": backend},
-                                   lambda n=name, m=make, b=backend: _compare(n, *m(), b, dtype)))
+                                   lambda n=name, m=make, b=backend: {"op": n, **against_reference(*m(), b, ctx.dtype)}))
     return results

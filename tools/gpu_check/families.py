@@ -1,0 +1,199 @@
+"""The GPU check's first section: per family, stock beside patched in one run, on the same documents.
+
+Patched: compiled (fullgraph, dynamic), trained for a few steps on HF-collated batches whose boundaries stay on the
+host (``compilepack.to_device``): tokens/s, compiles over the stream, then the same compiled step again under
+``torch.cuda.set_sync_debug_mode("error")`` (a device-to-host sync raises and is recorded with its op), with the
+boundaries on the device beside it. Stock: the same documents the way stock can train on them (sdpa with the
+packed mask for attention-only families, right-padded rows for hybrids; FA2 padding-free with flash-attn), the
+path it ran named (``stock_path``). Then the patched model's packed logits against each document alone, and
+``explain``'s graphs and breaks.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import sys
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, DataCollatorWithFlattening
+
+import compilepack
+from compilepack.ops import backends
+from compilepack.patching import family_named
+from compilepack.patching.family import function_behind
+
+from .common import Context, auto_outcome, describe, guarded, max_err, synchronize
+
+COLLATE = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)
+BOUNDARIES = ("cu_seq_lens_q", "cu_seq_lens_k")
+
+
+def documents_of(vocab, lengths, seed):
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths]
+
+
+def batch_of(docs, device, boundaries_on_device=False):
+    """The collator's batch on ``device``, its boundaries on the host (as ``compilepack.to_device`` leaves them:
+    the patched model moves them itself and keeps the host copy) unless ``boundaries_on_device``."""
+    batch = compilepack.to_device(COLLATE([{"input_ids": d} for d in docs]), device)
+    if boundaries_on_device:
+        batch.update({key: batch[key].to(device) for key in BOUNDARIES})
+    return batch
+
+
+def stock_path(model, device) -> str:
+    """The code stock transformers runs for this model's mixers, in words: its attention implementation, then each
+    kernel global of its modeling module (``use_kernel_func_from_hub_with_fallback``) with the package it found at
+    import, or "torch fallback" (read from the wrapper's closure: what runs, not what is installed)."""
+    parts = [torch.device(device).type, f"attention: {model.config._attn_implementation}"]
+    module = sys.modules.get(type(model).__module__)
+    for name, function in sorted(vars(module).items() if module else ()):
+        function = function_behind(function) or function
+        code, closure = getattr(function, "__code__", None), getattr(function, "__closure__", None)
+        cells = dict(zip(code.co_freevars, (c.cell_contents for c in closure))) if code and closure else {}
+        if "is_new_implementation" in cells:
+            parts.append(f"{name}: {cells['package'] if cells['is_new_implementation'] else 'torch fallback'}")
+    return "; ".join(parts)
+
+
+def speed_batches(vocab, steps, tokens_per_step, device):
+    """``steps + 2`` batches of lognormal documents (the first two warm up): (documents, packed batch)."""
+    rng = random.Random(2)
+    batches = []
+    for i in range(steps + 2):
+        lengths = []
+        while sum(lengths) < tokens_per_step:
+            lengths.append(min(2048, max(8, int(rng.lognormvariate(5.5, 1.0)))))
+        docs = documents_of(vocab, lengths, seed=100 + i)
+        batches.append((docs, batch_of(docs, device)))
+    return batches
+
+
+def check_family(name: str, ctx: Context) -> tuple[dict, dict]:
+    """(the family's speed row, its checks)."""
+    start = time.perf_counter()
+    torch.manual_seed(0)
+    stock = AutoModelForCausalLM.from_config(family_named(name).bench_config()).to(ctx.device, ctx.dtype)
+    auto = auto_outcome(copy.deepcopy(stock))
+    patched = compilepack.patch(copy.deepcopy(stock), backend=ctx.chosen())
+    vocab = stock.config.get_text_config().vocab_size
+    steps, tokens = (1, 256) if ctx.simulate else (8, 16384)
+    batches = speed_batches(vocab, steps, tokens, ctx.device)
+    speed = {"family": name, "tokens_per_step": tokens, "params_m": sum(p.numel() for p in stock.parameters()) / 1e6}
+    checks = {"family": name, "patch_auto": auto,
+              "backends": compilepack.patching.patch_state(patched).backends.describe()}
+    step = torch.compile(patched, fullgraph=True, dynamic=True, backend=ctx.compile_backend)
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    speed["patched_compiled"] = guarded({}, lambda: throughput(step, patched, [b for _, b in batches], ctx.device))
+    compiles = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
+    checks["compiles_over_batches"] = {"batches": len(batches), "compiles": compiles} if (
+        "error" not in speed["patched_compiled"]) else {"error": "the compiled steps failed (speed.patched_compiled)"}
+    checks["compiled_training_step"] = guarded({}, lambda: sync_free_steps(step, patched, batches, ctx))
+    for label, stock_batches in stock_variants(name, stock, batches, ctx.device).items():
+        speed[label] = guarded({}, lambda sb=stock_batches: {**throughput(stock, stock, sb, ctx.device),
+                                                              "stock_path": stock_path(stock, ctx.device)})
+    checks["stock_path"] = stock_path(stock, ctx.device)
+    docs = documents_of(vocab, [70, 1, 23, 5, 40] if ctx.simulate else [700, 1, 230, 64, 1500], seed=0)
+    checks["max_logit_diff_packed_vs_alone"] = guarded({}, lambda: packed_vs_alone(patched, docs, ctx.device))
+    checks["explain_forward"] = guarded({}, lambda: str(compilepack.explain(patched, batch_of(docs, ctx.device))))
+    checks["wall_s"] = round(time.perf_counter() - start, 1)
+    return speed, checks
+
+
+def packed_vs_alone(model, docs, device):
+    batch = batch_of(docs, device)
+    with torch.no_grad():
+        packed = model(**batch).logits[0].float()
+        alone = [model(**batch_of([d], device)).logits[0].float() for d in docs]
+    cu = batch["cu_seq_lens_q"].tolist()  # on the host: no sync
+    return max(max_err(packed[s:e], a) for s, e, a in zip(cu[:-1], cu[1:], alone))
+
+
+def sync_free_steps(step, model, batches, ctx: Context):
+    """The compiled step again on two of its batches (simulated: one) under CUDA's sync debug mode set to error,
+    boundaries on the host (the recipe). Beside it the boundaries on the device, as HF Trainer moves them (a sync
+    where a kernel needs host sizes), compiled with dynamo alone (backend "eager"): the syncs are the ops', and a
+    second inductor compile per family would not fit the lease."""
+    result = {}
+    for label, on_device in (("host_boundaries", False), ("device_boundaries", True)):
+        runs = [batch_of(docs, ctx.device, on_device) for docs, _ in batches[: 1 if ctx.simulate else 2]]
+        compiled = torch.compile(model, fullgraph=True, dynamic=True, backend="eager") if on_device else step
+        backend = {"compile_backend": "eager" if on_device else ctx.compile_backend}
+        result[label] = guarded(backend, lambda r=runs, c=compiled, b=backend: {
+            **b, **_steps_without_syncs(c, model, r, ctx.device)})
+    result["sync_free"] = result["host_boundaries"].get("sync_free")  # the recipe's verdict (None: not on CUDA)
+    return result
+
+
+def _steps_without_syncs(step, model, batches, device):
+    model.train()
+    for batch in batches:  # warm: compiles happen outside the check
+        step(**batch).loss.backward()
+    synchronize(device)
+    cuda, error = torch.device(device).type == "cuda", None
+    if cuda:
+        torch.cuda.set_sync_debug_mode("error")
+    start = time.perf_counter()
+    try:
+        for batch in batches:
+            step(**batch).loss.backward()
+    except RuntimeError as raised:
+        error = describe(raised)
+    finally:
+        if cuda:
+            torch.cuda.set_sync_debug_mode(0)
+    synchronize(device)
+    model.zero_grad(set_to_none=True)
+    return {"sync_free": (error is None) if cuda else None, "sync_error": error,
+            "steps_s": round(time.perf_counter() - start, 3)}
+
+
+def stock_variants(name, stock, batches, device):
+    """What stock can train on the same documents: the packed batch (dense mask) for attention-only models,
+    right-padded rows otherwise; FA2 padding-free when flash-attn is installed."""
+    family = family_named(name)
+    attention_only = all(r.global_name == "ALL_ATTENTION_FUNCTIONS" for reps in family.layers.values() for r in reps)
+    if not attention_only:
+        return {"stock_padded": [padded(docs, device) for docs, _ in batches]}
+    packed = [dict(batch_of(docs, device, True), use_cache=False) for docs, _ in batches]
+    if backends.is_installed("flash_attn") and torch.device(device).type == "cuda":
+        stock.set_attn_implementation("flash_attention_2")
+        return {"stock_fa2_padding_free": packed}
+    return {"stock_sdpa_packed": packed}
+
+
+def padded(docs, device):
+    longest = max(len(d) for d in docs)
+    ids = torch.zeros(len(docs), longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, doc in enumerate(docs):
+        ids[row, : len(doc)] = torch.tensor(doc)
+        mask[row, : len(doc)] = 1
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device),
+            "labels": ids.masked_fill(mask == 0, -100).to(device), "use_cache": False}
+
+
+def throughput(step, model, batches, device):
+    """Training steps with AdamW: the first two warm up (and compile), the rest are timed."""
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def train(stream):
+        start = time.perf_counter()
+        for batch in stream:
+            step(**batch).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        synchronize(device)
+        return time.perf_counter() - start
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    warm_s = train(batches[:2])
+    elapsed = train(batches[2:])
+    real_tokens = sum(int((b["labels"] != -100).sum()) for b in batches[2:])
+    peak = torch.cuda.max_memory_allocated() / 2**20 if torch.device(device).type == "cuda" else None
+    return {"tokens_per_s": real_tokens / elapsed, "warm_up_s": warm_s, "steps_s": elapsed, "peak_mem_mb": peak}
