@@ -288,8 +288,8 @@ def resolve(backend: str | dict[str, str] | Backends = "auto", kinds: Iterable[s
             chosen[kind], passed_over = best_admitted(kind)
             skipped += passed_over
     _raise_refused(refused)
-    if skipped:
-        _warn_once(_skipped_message(skipped, chosen))
+    if skipped:  # one warning for all of them; Python's filters show it once per place patch() is called from
+        warnings.warn(_skipped_message(skipped, chosen), KernelSkippedWarning, stacklevel=3)
     return Backends(**chosen)
 
 
@@ -351,16 +351,6 @@ def _skipped_message(skipped: list[Refusal], chosen: dict[str, str]) -> str:
         + f". To choose this explicitly (and silence this warning): compilepack.patch(model, backend={settle!r}). "
         "See docs/kernels.md."
     )
-
-
-_WARNED: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    """One warning per distinct message in a process: every patch() of every model would otherwise repeat it."""
-    if message not in _WARNED:
-        _WARNED.add(message)
-        warnings.warn(message, KernelSkippedWarning, stacklevel=4)
 
 
 @functools.cache

@@ -308,14 +308,12 @@ def test_kinds_outside_the_model_are_neither_resolved_nor_checked(monkeypatch):
     assert chosen == backends.Backends(attention="torch_varlen", conv="causal_conv1d")
 
 
-def test_auto_warns_once_per_distinct_skip(monkeypatch):
-    _installed(monkeypatch, {"mamba_ssm": "2.2.2"})
-    monkeypatch.setattr(backends, "_WARNED", set())
-    with pytest.warns(KernelSkippedWarning):
+def test_auto_gives_one_warning_naming_every_skip(monkeypatch):
+    _installed(monkeypatch, {"mamba_ssm": "2.2.2", "causal_conv1d": "1.5.0"})
+    with pytest.warns(KernelSkippedWarning) as skipped:
         backends.resolve("auto")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        backends.resolve("auto")  # the same skip again: silent
+    assert len(skipped) == 1 and "mamba_ssm for 'ssd'" in str(skipped[0].message)
+    assert "causal_conv1d for 'conv'" in str(skipped[0].message)
 
 
 def test_installed_version_reads_package_metadata_without_importing(monkeypatch):
@@ -420,7 +418,6 @@ def lent_image(monkeypatch, no_fla_env):
     monkeypatch.setattr(backends, "is_installed", lambda name: name in installed or name == backends.REFERENCE)
     monkeypatch.setattr(backends, "installed_version", lambda name: installed[name])
     _hopper_with(monkeypatch, "3.6.0")
-    monkeypatch.setattr(backends, "_WARNED", set())
 
 
 @pytest.mark.parametrize(("family", "expected"), [
