@@ -88,7 +88,8 @@ def input_grads_enabled(module: torch.nn.Module) -> bool:
 
 def _transformers_models(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules of ``model`` with transformers' ``enable_input_require_grads`` (the causal LM and its decoder)."""
-    return [m for m in model.modules() if callable(getattr(type(m), _METHOD, None)) and hasattr(m, "get_input_embeddings")]
+    return [m for m in model.modules()
+            if callable(getattr(type(m), _METHOD, None)) and hasattr(m, "get_input_embeddings")]
 
 
 def install(model: torch.nn.Module, **options) -> None:

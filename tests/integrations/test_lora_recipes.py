@@ -237,7 +237,10 @@ def assert_one_graph_and_eager_losses(trainer, make_trainer, monkeypatch):
 def _sft_lora_recipe(family_name, checkpointing, tmp_path, monkeypatch):
     for key, value in FULLGRAPH_DYNAMIC.items():
         monkeypatch.setenv(key, value)
-    make = lambda compile_: sft_lora_trainer(family_name, tmp_path, checkpointing=checkpointing, compile_=compile_)  # noqa: E731
+
+    def make(compile_):
+        return sft_lora_trainer(family_name, tmp_path, checkpointing=checkpointing, compile_=compile_)
+
     trainer = make(compile_=True)
     assert compilepack_hooks(trainer.model)  # TRL enabled the hook: compilepack's
     assert_one_graph_and_eager_losses(trainer, make, monkeypatch)

@@ -134,7 +134,8 @@ def test_trl_padding_free_collator_emits_valid_boundaries(pad_to_multiple_of, pa
 # `accelerate launch --dynamo_use_fullgraph --dynamo_use_dynamic` sets): Trainer itself passes dynamic=None.
 FULLGRAPH_DYNAMIC = {"ACCELERATE_DYNAMO_USE_FULLGRAPH": "1", "ACCELERATE_DYNAMO_USE_DYNAMIC": "1"}
 STEPS = 4  # batches of 3 samples: 4 packed rows of different lengths and document counts
-# fp32 losses of the compiled routed run against the eager run with TRL's own head, every step (measured: qwen3_5 <= 9.5e-7, bamba equal)
+# fp32 losses of the compiled routed run against the eager run with TRL's own head, every step (measured: qwen3_5
+# <= 9.5e-7, bamba equal)
 STEP_TOLERANCE = 1e-5
 
 
