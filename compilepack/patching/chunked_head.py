@@ -4,9 +4,10 @@ The stock causal-LM forward computes ``logits = lm_head(hidden)`` for every toke
 at a 248k vocabulary and 4,096 packed tokens the logits, their fp32 copy and their gradient take 12 GB, ten times
 the model's weights (Qwen3.5-0.8B widths). With the chunked head, a forward **given labels** runs the backbone,
 then scores the targets through ``compilepack::lm_head_logprobs`` a chunk of tokens at a time (its extra memory
-does not grow with ``T``), and returns the loss ``ForCausalLMLoss`` would: the same ``labels`` shifting, ``shift_labels``
-(pre-shifted, as context-parallel shards pass them), ``num_items_in_batch`` (gradient accumulation: HF Trainer
-passes it) and ``ignore_index``, plus what the family's forward adds to its loss (MoE load balancing, Bamba's z-loss).
+does not grow with ``T``), and returns the loss ``ForCausalLMLoss`` would: the same ``labels`` shifting,
+``shift_labels`` (pre-shifted, as context-parallel shards pass them), ``num_items_in_batch`` (gradient accumulation:
+HF Trainer passes it) and ``ignore_index``, plus what the family's forward adds to its loss (MoE load balancing,
+Bamba's z-loss).
 
 What ``logits`` then carries: ``None`` (never a stale or partial tensor); ask for them by calling without
 ``labels``. Calls without ``labels`` (generation, evaluation without labels) run the stock forward, logits and all.
@@ -56,7 +57,7 @@ class ChunkedCausalLMForward:
     """The instance ``forward`` of a causal LM with the chunked head. Same call and ``inspect.signature`` as the
     stock forward; pickles as "the chunked head of this module" (rebuilt when loaded)."""
 
-    __slots__ = ("module", "chunk_tokens", "plan")
+    __slots__ = ("chunk_tokens", "module", "plan")
 
     def __init__(self, module: torch.nn.Module, chunk_tokens: int | None = None):
         self.module, self.chunk_tokens, self.plan = module, chunk_tokens, plan_of(type(module))
@@ -128,9 +129,9 @@ def causal_lm_of(model: torch.nn.Module) -> torch.nn.Module:
     from transformers import PreTrainedModel
 
     for module in model.modules():  # a PEFT wrapper is not a PreTrainedModel: the causal LM inside it is found
-        if isinstance(module, PreTrainedModel) and LABELS in inspect.signature(type(module).forward).parameters:
-            if module.get_output_embeddings() is not None:
-                return module
+        causal_lm = isinstance(module, PreTrainedModel) and LABELS in inspect.signature(type(module).forward).parameters
+        if causal_lm and module.get_output_embeddings() is not None:
+            return module
     raise CompilepackError(
         f"{type(model).__name__} holds no causal LM with an lm_head (a ...ForCausalLM taking labels): the chunked LM "
         "head replaces such a model's logits and loss. Pass the causal LM (or its PEFT wrapper)."
@@ -145,7 +146,7 @@ def plan_of(cls: type) -> HeadPlan:
     uses = set(forward.__code__.co_names)
     balancing, paths = None, ()
     if "load_balancing_loss_func" in uses:
-        balancing = getattr(importlib.import_module(cls.__module__), "load_balancing_loss_func")
+        balancing = importlib.import_module(cls.__module__).load_balancing_loss_func
         paths = _balancing_paths(forward, where)
     prefix = getattr(cls, "base_model_prefix", "model")
     return HeadPlan(prefix, tuple(inspect.signature(forward).parameters)[1:], scaling, "z_loss_coefficient" in uses,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
 import inspect
 import io
 import pickle
@@ -274,12 +275,13 @@ def test_logit_scaling_read_from_the_forward_joins_the_loss(family_name, rescale
     ["logits = self.lm_head(hidden_states)", "logits = self.lm_head(hidden_states)"],
     ["logits = self.score(hidden_states)"],
 ], ids=["softcap", "constant", "two-heads", "other-module"])
-def test_logits_computed_otherwise_are_refused(statements, tmp_path, monkeypatch):
+def test_logits_computed_otherwise_are_refused(statements, tmp_path):
     """A forward whose logits the chunked head would not reproduce is refused, its statements quoted."""
     source = "def forward(self, hidden_states):\n" + "".join(f"    {line}\n" for line in statements)
     path = tmp_path / "modeling_other.py"
     path.write_text(source)
-    namespace = {}
-    exec(compile(source, str(path), "exec"), namespace)
+    spec = importlib.util.spec_from_file_location("modeling_other", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
     with pytest.raises(IncompatibleTransformersError, match=r"cannot reproduce other: .*logits = self\."):
-        chunked_head._logit_scaling(namespace["forward"], "other")
+        chunked_head._logit_scaling(module.forward, "other")
