@@ -4,9 +4,10 @@ The stock causal-LM forward computes ``logits = lm_head(hidden)`` for every toke
 at a 248k vocabulary and 4,096 packed tokens the logits, their fp32 copy and their gradient take 12 GB, ten times
 the model's weights (Qwen3.5-0.8B widths). With the chunked head, a forward **given labels** runs the backbone,
 then scores the targets through ``compilepack::lm_head_logprobs`` a chunk of tokens at a time (its extra memory
-does not grow with ``T``), and returns the loss ``ForCausalLMLoss`` would: the same ``labels`` shifting, ``shift_labels``
-(pre-shifted, as context-parallel shards pass them), ``num_items_in_batch`` (gradient accumulation: HF Trainer
-passes it) and ``ignore_index``, plus what the family's forward adds to its loss (MoE load balancing, Bamba's z-loss).
+does not grow with ``T``), and returns the loss ``ForCausalLMLoss`` would: the same ``labels`` shifting,
+``shift_labels`` (pre-shifted, as context-parallel shards pass them), ``num_items_in_batch`` (gradient accumulation:
+HF Trainer passes it) and ``ignore_index``, plus what the family's forward adds to its loss (MoE load balancing,
+Bamba's z-loss).
 
 What ``logits`` then carries: ``None`` (never a stale or partial tensor); ask for them by calling without
 ``labels``. Calls without ``labels`` (generation, evaluation without labels) run the stock forward, logits and all.
@@ -23,7 +24,6 @@ import ast
 import dataclasses
 import importlib
 import inspect
-import re
 import textwrap
 
 import torch
@@ -38,28 +38,14 @@ from .rebind import innermost
 CHUNKED = "chunked"
 LM_HEADS = (CHUNKED,)
 
-# How the supported causal LMs turn hidden states into logits (one line each, whitespace removed). A forward with
-# any other ``logits = ...`` line is refused: the chunked head would compute another loss than its own.
-_PROJECTIONS = {
-    "logits=self.lm_head(hidden_states)",
-    "logits=self.lm_head(hidden_states[:,slice_indices,:])",
-    "logits=self.lm_head(hidden_states[:,slice_indices])",
-    "logits=self.lm_head(hidden_states).float()",
-    "logits=self.lm_head(hidden_states.to(self.lm_head.weight.dtype)).float()",
-}
-_SCALINGS = {  # logit transforms -> how to read the scale the op applies
-    "logits=logits/self.config.logits_scaling": lambda model: 1.0 / model.config.logits_scaling,
-    "logits=self.lm_head(hidden_states)*self.model.lm_head_multiplier": lambda model: model.model.lm_head_multiplier,
-}
-
-
 @dataclasses.dataclass(frozen=True)
 class HeadPlan:
     """What one causal-LM class's forward does around its LM head, read once from its source."""
 
     backbone: str  # attribute of the backbone (``base_model_prefix``)
     parameters: tuple[str, ...]  # the forward's parameters, without self (to name positional arguments)
-    scaling: str | None  # the ``_SCALINGS`` key the forward applies, if any
+    # the scale the forward applies to the head's output: (attribute path from the model, divided by it?), or None
+    scaling: tuple[tuple[str, ...], bool] | None
     z_loss: bool  # Bamba: ``loss + z_loss_coefficient * mean(logsumexp(logits) ** 2)``
     load_balancing: object  # MoE: the modeling module's ``load_balancing_loss_func``, or None
     # MoE: where the forward reads the experts, experts per token and the aux-loss coefficient, as attribute paths
@@ -71,7 +57,7 @@ class ChunkedCausalLMForward:
     """The instance ``forward`` of a causal LM with the chunked head. Same call and ``inspect.signature`` as the
     stock forward; pickles as "the chunked head of this module" (rebuilt when loaded)."""
 
-    __slots__ = ("module", "chunk_tokens", "plan")
+    __slots__ = ("chunk_tokens", "module", "plan")
 
     def __init__(self, module: torch.nn.Module, chunk_tokens: int | None = None):
         self.module, self.chunk_tokens, self.plan = module, chunk_tokens, plan_of(type(module))
@@ -143,9 +129,9 @@ def causal_lm_of(model: torch.nn.Module) -> torch.nn.Module:
     from transformers import PreTrainedModel
 
     for module in model.modules():  # a PEFT wrapper is not a PreTrainedModel: the causal LM inside it is found
-        if isinstance(module, PreTrainedModel) and LABELS in inspect.signature(type(module).forward).parameters:
-            if module.get_output_embeddings() is not None:
-                return module
+        causal_lm = isinstance(module, PreTrainedModel) and LABELS in inspect.signature(type(module).forward).parameters
+        if causal_lm and module.get_output_embeddings() is not None:
+            return module
     raise CompilepackError(
         f"{type(model).__name__} holds no causal LM with an lm_head (a ...ForCausalLM taking labels): the chunked LM "
         "head replaces such a model's logits and loss. Pass the causal LM (or its PEFT wrapper)."
@@ -156,23 +142,66 @@ def plan_of(cls: type) -> HeadPlan:
     """Read what ``cls.forward`` does around its LM head; refuse what the chunked head would not reproduce."""
     forward = innermost(cls.forward)
     where = f"{cls.__module__}.{cls.__qualname__}.forward"
-    logits_lines = _logits_assignments(forward)
-    unknown = [line for line in logits_lines if line not in _PROJECTIONS and line not in _SCALINGS]
-    if unknown or not any(line in _PROJECTIONS or line.startswith("logits=self.lm_head(") for line in logits_lines):
-        raise IncompatibleTransformersError(
-            f"compilepack's chunked LM head cannot reproduce {where}: it computes its logits as "
-            f"{unknown or logits_lines!r}, which the chunked head does not know. Leave lm_head unset (stock head) for "
-            "this model."
-        )
-    scaling = next((line for line in logits_lines if line in _SCALINGS), None)
+    scaling = _logit_scaling(forward, where)
     uses = set(forward.__code__.co_names)
     balancing, paths = None, ()
     if "load_balancing_loss_func" in uses:
-        balancing = getattr(importlib.import_module(cls.__module__), "load_balancing_loss_func")
+        balancing = importlib.import_module(cls.__module__).load_balancing_loss_func
         paths = _balancing_paths(forward, where)
     prefix = getattr(cls, "base_model_prefix", "model")
     return HeadPlan(prefix, tuple(inspect.signature(forward).parameters)[1:], scaling, "z_loss_coefficient" in uses,
                     balancing, paths)
+
+
+def _logit_scaling(forward, where: str) -> tuple[tuple[str, ...], bool] | None:
+    """How ``forward``'s ``logits = ...`` statements turn the hidden states into logits, read from their syntax (not
+    their spelling): ``self.lm_head`` applied once to ``hidden_states`` (the states and the result sliced or cast in
+    any way: the chunked head scores every position, in the head's dtype), scaled at most once by an attribute of
+    the model (``* self.model.lm_head_multiplier``, ``logits / self.config.logits_scaling``). Returns that scale's
+    (attribute path, divided?), or None. Anything else (a softcap, a constant, a second head) is refused: the chunked
+    head would compute another loss than the model's own."""
+    statements = _logits_assignments(forward)
+    heads = [value for value in statements if _is_head(value)]
+    scalings = [scaling for value in statements if (scaling := _scaling(value)) is not None]
+    known = len(heads) + len(scalings) == len(statements)
+    applies_head_once = len(heads) + sum(operand == "head" for *_, operand in scalings) == 1
+    if not (known and applies_head_once and len(scalings) <= 1):
+        raise IncompatibleTransformersError(
+            f"compilepack's chunked LM head cannot reproduce {where}: it computes its logits as "
+            f"{['logits = ' + ast.unparse(value) for value in statements]!r}, which the chunked head does not know. "
+            "Leave lm_head unset (stock head) for this model."
+        )
+    return scalings[0][:2] if scalings else None
+
+
+def _is_head(node) -> bool:
+    """``self.lm_head(hidden_states)``, the states and the result sliced or cast (``hidden_states[:, slice_indices]``,
+    ``.to(dtype)``, ``.float()``) in any way."""
+    node = _uncast(node)
+    if not (isinstance(node, ast.Call) and _self_path(node.func) == ("lm_head",) and len(node.args) == 1
+            and not node.keywords):
+        return False
+    inner = _uncast(node.args[0])
+    while isinstance(inner, ast.Subscript):
+        inner = _uncast(inner.value)
+    return isinstance(inner, ast.Name) and inner.id == "hidden_states"
+
+
+def _scaling(node) -> tuple[tuple[str, ...], bool, str] | None:
+    """``<the head> * self.a.b`` or ``logits / self.a.b`` -> (("a", "b"), divided?, "head" or "logits"); None for
+    anything else."""
+    if not (isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Mult, ast.Div))):
+        return None
+    path, left = _self_path(node.right), _uncast(node.left)
+    operand = "head" if _is_head(left) else "logits" if isinstance(left, ast.Name) and left.id == "logits" else None
+    return None if path is None or operand is None else (path, isinstance(node.op, ast.Div), operand)
+
+
+def _uncast(node):
+    """``x.float()``, ``x.to(...)`` -> ``x``."""
+    while isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("float", "to"):
+        node = node.func.value
+    return node
 
 
 def _balancing_paths(forward, where: str) -> tuple[tuple[str, ...], ...]:
@@ -207,14 +236,11 @@ def _read(model, path: tuple[str, ...]):
     return model
 
 
-def _logits_assignments(function) -> list[str]:
-    """Every ``logits = ...`` statement of the function, unparsed without whitespace."""
+def _logits_assignments(function) -> list[ast.expr]:
+    """The value of every ``logits = ...`` statement of the function."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "logits" for t in node.targets):
-            found.append("logits=" + re.sub(r"\s+", "", ast.unparse(node.value)))
-    return found
+    return [node.value for node in ast.walk(tree)
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "logits" for t in node.targets)]
 
 
 # ------------------------------------------------------------------------------------------------ the forward
@@ -268,7 +294,7 @@ def _loss(head: ChunkedCausalLMForward, hidden: torch.Tensor, labels: torch.Tens
                          "must have the shape of input_ids.")
     weight, bias = head_parameters(head.module.get_output_embeddings())
     chunk = head.chunk_tokens or default_chunk_tokens(weight.shape[0])
-    scale = _SCALINGS[head.plan.scaling](head.module) if head.plan.scaling else 1.0
+    scale = _scale(head.module, head.plan.scaling)
     stats = lm_head_logprobs(flat, weight, bias, targets, ignore_index=ignore_index, chunk_tokens=chunk,
                              logit_scale=scale)
     total = -stats.log_probs.sum()
@@ -278,6 +304,13 @@ def _loss(head: ChunkedCausalLMForward, hidden: torch.Tensor, labels: torch.Tens
     if torch.is_tensor(num_items):
         num_items = num_items.to(total.device)
     return total / num_items, stats.log_z
+
+
+def _scale(model: torch.nn.Module, scaling: tuple[tuple[str, ...], bool] | None) -> float:
+    if scaling is None:
+        return 1.0
+    path, divided = scaling
+    return 1.0 / _read(model, path) if divided else _read(model, path)
 
 
 def head_parameters(lm_head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -12,6 +12,8 @@ input the loss reads is also dropped once (a control): the loss then misses by f
 from __future__ import annotations
 
 import copy
+import dataclasses
+import importlib.util
 import inspect
 import io
 import pickle
@@ -242,3 +244,44 @@ def test_every_family_gets_the_stock_loss_or_a_refusal(family, variant):
     with torch.no_grad():
         want, got = stock(**batch, **extra).loss.item(), chunked(**batch, **extra).loss.item()
     assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+
+
+@pytest.mark.parametrize("family_name, rescale", [
+    pytest.param("falcon_h1", lambda model: setattr(model.model, "lm_head_multiplier", 0.25), id="falcon_h1-times"),
+    pytest.param("granitemoehybrid", lambda model: setattr(model.config, "logits_scaling", 4.0), id="granite-divided"),
+])
+def test_logit_scaling_read_from_the_forward_joins_the_loss(family_name, rescale):
+    """The scale a family's forward applies to its head's output, read from the forward's syntax (an attribute path,
+    multiplied or divided), at a value far from 1: the chunked loss equals the stock one. The control: the same head
+    left unscaled misses by far."""
+    torch.manual_seed(0)
+    base = build_tiny(family_named(family_name)).train()
+    rescale(base)
+    stock, chunked = compilepack.patch(copy.deepcopy(base)), compilepack.patch(copy.deepcopy(base), lm_head="chunked")
+    head = chunked.__dict__["forward"]
+    assert head.plan.scaling is not None
+    batch = hf_batch(random_docs(base.config.get_text_config().vocab_size, DOCS))
+    with torch.no_grad():
+        want, got = stock(**batch).loss.item(), chunked(**batch).loss.item()
+        assert abs(got - want) <= LOSS_TOL * abs(want), (got, want)
+        head.plan = dataclasses.replace(head.plan, scaling=None)  # the control
+        assert abs(chunked(**batch).loss.item() - want) > 100 * LOSS_TOL * abs(want)
+
+
+@pytest.mark.parametrize("statements", [
+    ["logits = self.lm_head(hidden_states)", "logits = logits / self.config.final_logit_softcapping",
+     "logits = torch.tanh(logits)"],
+    ["logits = self.lm_head(hidden_states) * 2.0"],
+    ["logits = self.lm_head(hidden_states)", "logits = self.lm_head(hidden_states)"],
+    ["logits = self.score(hidden_states)"],
+], ids=["softcap", "constant", "two-heads", "other-module"])
+def test_logits_computed_otherwise_are_refused(statements, tmp_path):
+    """A forward whose logits the chunked head would not reproduce is refused, its statements quoted."""
+    source = "def forward(self, hidden_states):\n" + "".join(f"    {line}\n" for line in statements)
+    path = tmp_path / "modeling_other.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("modeling_other", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(IncompatibleTransformersError, match=r"cannot reproduce other: .*logits = self\."):
+        chunked_head._logit_scaling(module.forward, "other")

@@ -54,36 +54,69 @@ def embedding_hooks(model) -> list:
     return list(model.get_base_model().get_input_embeddings()._forward_hooks.values())
 
 
-# ------------------------------------------------------------------------------------------------ the guard itself
+def is_stock_hook(hook) -> bool:
+    """transformers' own ``make_inputs_require_grads`` (``PreTrainedModel.enable_input_require_grads``)."""
+    return hook.__module__ == "transformers.modeling_utils" and hook.__qualname__.endswith(".make_inputs_require_grads")
 
 
-def test_guard_is_per_instance_installed_as_enabled_and_undone_by_unpatch():
-    """patch() guards a hook already there and the one a later gradient_checkpointing_enable adds; an unpatched
-    model keeps the stock hook; unpatch puts back the stock hook and the class's method."""
+def compilepack_hooks(model) -> list:
+    """compilepack's input-grads hooks registered within ``model``."""
+    hooks = (hook for module in model.modules() for hook in module._forward_hooks.values())
+    return [hook for hook in hooks if hook is input_grads.requires_grad_outside_compile]
+
+
+# ------------------------------------------------------------------------------------------------ the hook itself
+
+
+def test_hook_is_per_instance_installed_as_enabled_and_undone_by_unpatch():
+    """patch() swaps a hook already there for compilepack's, and a later gradient_checkpointing_enable registers
+    compilepack's; an unpatched model keeps the stock hook; unpatch puts back the stock hook and the class's method;
+    transformers' own disable_input_require_grads removes compilepack's hook."""
     patched = lora_model("llama", reentrant=False)
     other = lora_model("llama", reentrant=False, patch=False)
-    [hook] = embedding_hooks(patched)
-    assert isinstance(hook, input_grads.InputsRequireGradOutsideCompile)
-    assert input_grads.is_stock_input_grad_hook(hook.original)
-    assert [input_grads.is_stock_input_grad_hook(h) for h in embedding_hooks(other)] == [True]
+    assert embedding_hooks(patched) == [input_grads.requires_grad_outside_compile]
+    assert [is_stock_hook(h) for h in embedding_hooks(other)] == [True]
 
     before_patch = lora_model("llama", reentrant=False, patch=False)  # hook first, patch second
     compilepack.patch(before_patch)
-    assert [type(h) for h in embedding_hooks(before_patch)] == [input_grads.InputsRequireGradOutsideCompile]
+    assert embedding_hooks(before_patch) == [input_grads.requires_grad_outside_compile]
+    before_patch.get_base_model().enable_input_require_grads()  # enabled twice: still one hook
+    assert embedding_hooks(before_patch) == [input_grads.requires_grad_outside_compile]
+    before_patch.get_base_model().disable_input_require_grads()
+    assert embedding_hooks(before_patch) == []
 
     compilepack.unpatch(patched)
-    assert embedding_hooks(patched) == [hook.original]
+    assert [is_stock_hook(h) for h in embedding_hooks(patched)] == [True]
     assert not any("enable_input_require_grads" in m.__dict__ for m in patched.modules())
-    patched.get_base_model().enable_input_require_grads()  # the class's own again: a second, stock hook
-    assert [input_grads.is_stock_input_grad_hook(h) for h in embedding_hooks(patched)] == [True, True]
 
 
-def test_guard_survives_deepcopy_and_keeps_the_copy_its_own():
+def test_hook_engages_without_peft():
+    """transformers 5.25's gradient_checkpointing_enable enables the input grads of every input_ids model, PEFT or
+    not. A patched plain model with frozen embeddings (their output requires no grad, as under LoRA) gets
+    compilepack's hook: fullgraph=True compiles. The control: the stock hook fails fullgraph=True."""
+    torch.manual_seed(0)
+    model = compilepack.patch(build_tiny(family_named("llama"))).train()
+    model.get_input_embeddings().requires_grad_(False)
+    model.gradient_checkpointing_enable()
+    assert list(model.get_input_embeddings()._forward_hooks.values()) == [input_grads.requires_grad_outside_compile]
+    batch = hf_batch(random_docs(model.config.vocab_size, [30, 5, 20]))
+    torch.compile(model, backend="eager", fullgraph=True, dynamic=True)(**batch)
+
+    input_grads.remove(model)  # the control
+    assert [is_stock_hook(h) for h in model.get_input_embeddings()._forward_hooks.values()] == [True]
+    torch._dynamo.reset()
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="requires_grad_"):
+        torch.compile(model, backend="eager", fullgraph=True, dynamic=True)(**batch)
+
+
+def test_hook_survives_deepcopy_and_keeps_the_copy_its_own():
     model = lora_model("llama", reentrant=False)
     copied = copy.deepcopy(model)
     method = copied.get_base_model().__dict__["enable_input_require_grads"]
     assert method.model is copied.get_base_model()
-    assert input_grads.guarded_input_grad_hooks(copied) and compilepack.is_patched(copied)
+    assert compilepack_hooks(copied) and compilepack.is_patched(copied)
+    copied.get_base_model().disable_input_require_grads()  # the copy's handles remove the copy's hook only
+    assert not compilepack_hooks(copied) and compilepack_hooks(model)
 
 
 @pytest.mark.parametrize("family_name", ["llama", "qwen3_5", "bamba"])
@@ -204,9 +237,12 @@ def assert_one_graph_and_eager_losses(trainer, make_trainer, monkeypatch):
 def _sft_lora_recipe(family_name, checkpointing, tmp_path, monkeypatch):
     for key, value in FULLGRAPH_DYNAMIC.items():
         monkeypatch.setenv(key, value)
-    make = lambda compile_: sft_lora_trainer(family_name, tmp_path, checkpointing=checkpointing, compile_=compile_)  # noqa: E731
+
+    def make(compile_):
+        return sft_lora_trainer(family_name, tmp_path, checkpointing=checkpointing, compile_=compile_)
+
     trainer = make(compile_=True)
-    assert input_grads.guarded_input_grad_hooks(trainer.model)  # TRL enabled the hook; patch guarded it
+    assert compilepack_hooks(trainer.model)  # TRL enabled the hook: compilepack's
     assert_one_graph_and_eager_losses(trainer, make, monkeypatch)
 
 
@@ -262,4 +298,4 @@ def test_hf_trainer_peft_model_with_checkpointing_compiles_one_graph(family_name
 
     trainer = make(compile_=True)
     assert_one_graph_and_eager_losses(trainer, make, monkeypatch)
-    assert input_grads.guarded_input_grad_hooks(trainer.model)
+    assert compilepack_hooks(trainer.model)

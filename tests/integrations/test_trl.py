@@ -4,8 +4,9 @@ TRL's padding-free collator (1.16) emits the HF boundary kwargs itself (``cu_seq
 ``seq_idx``, ``position_ids``); it is wrapped in ``with_boundaries`` anyway, which validates every batch and
 adds the kwargs for TRL versions or collators that emit ``position_ids`` only.
 
-SFTTrainer always installs TRL's fused LM head; compilepack routes it to its own op (compilepack/integrations/trl.py)
-whichever comes first, the head or the patch. Compiled SFTTrainer runs then count 1 graph, 0 breaks and no recompile
+SFTTrainer always installs TRL's fused LM head; compilepack puts its own forward in its place, scored by its own op
+(compilepack/integrations/trl.py), whichever comes first, the head or the patch, or through
+``with_routed_head(SFTTrainer)``. Compiled SFTTrainer runs then count 1 graph, 0 breaks and no recompile
 over varied packed batches, with losses equal to the eager run's with TRL's own head; the same head left unrouted
 breaks the graph twice (the control).
 """
@@ -29,7 +30,7 @@ from compilepack.batch.keys import BOUNDARY_KEYS
 from compilepack.integrations import with_boundaries  # noqa: E402
 from compilepack.patching import family_named  # noqa: E402
 from tests.families import build_tiny  # noqa: E402
-from compilepack.integrations.trl import RoutedFusedHead, is_trl_head, unroute_all  # noqa: E402
+from compilepack.integrations.trl import RoutedFusedHead, is_trl_head, unroute_all, with_routed_head  # noqa: E402
 from tests.integrations.common import (  # noqa: E402
     LOSS_TOLERANCE,
     TRAINING_ARGS,
@@ -133,11 +134,12 @@ def test_trl_padding_free_collator_emits_valid_boundaries(pad_to_multiple_of, pa
 # `accelerate launch --dynamo_use_fullgraph --dynamo_use_dynamic` sets): Trainer itself passes dynamic=None.
 FULLGRAPH_DYNAMIC = {"ACCELERATE_DYNAMO_USE_FULLGRAPH": "1", "ACCELERATE_DYNAMO_USE_DYNAMIC": "1"}
 STEPS = 4  # batches of 3 samples: 4 packed rows of different lengths and document counts
-# fp32 losses of the compiled routed run against the eager run with TRL's own head, every step (measured: qwen3_5 <= 9.5e-7, bamba equal)
+# fp32 losses of the compiled routed run against the eager run with TRL's own head, every step (measured: qwen3_5
+# <= 9.5e-7, bamba equal)
 STEP_TOLERANCE = 1e-5
 
 
-def sft_trainer(model, tmp_path, *, compile_: bool, bf16: bool = False):
+def sft_trainer(model, tmp_path, *, compile_: bool, bf16: bool = False, trainer_class=SFTTrainer):
     from datasets import Dataset
 
     samples = training_docs(model.config.vocab_size)
@@ -145,7 +147,7 @@ def sft_trainer(model, tmp_path, *, compile_: bool, bf16: bool = False):
     if not compile_:
         settings["torch_compile_backend"] = None  # a backend alone turns torch_compile back on
     args = SFTConfig(output_dir=str(tmp_path), padding_free=True, max_length=None, bf16=bf16, **settings)
-    trainer = recording(SFTTrainer)(model=model, args=args, train_dataset=Dataset.from_dict({"input_ids": samples}),
+    trainer = recording(trainer_class)(model=model, args=args, train_dataset=Dataset.from_dict({"input_ids": samples}),
                                     processing_class=word_tokenizer(model.config.vocab_size))
     trainer.data_collator = with_boundaries(trainer.data_collator)
     return trainer
@@ -222,7 +224,7 @@ def test_head_added_before_patch_is_routed_and_unpatch_restores_it():
 
     torch.manual_seed(0)
     model = build_tiny(family_named("llama")).train()
-    add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))
+    add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy", "is_top1"))  # TRL's options, read
     trl_head = model.__dict__["forward"]
     batch = {**hf_batch(random_docs(model.config.vocab_size, [30, 5, 20])), "fused_lm_head": True}
     compilepack.patch(model)
@@ -247,23 +249,23 @@ def test_head_added_before_patch_is_routed_and_unpatch_restores_it():
 
 
 @needs_head
-def test_trl_imported_after_patch_still_routes_the_head_the_trainer_adds():
-    """patch() before TRL is even imported: the head SFTTrainer's module adds (imported by name from
-    trl.trainer.utils) is routed all the same (a fresh process, where trl is not imported yet)."""
-    import subprocess
-    import sys
+def test_with_routed_head_routes_the_head_without_the_wrap(tmp_path, monkeypatch):
+    """The explicit road, ``with_routed_head(SFTTrainer)``: its ``__init__`` routes the head TRL added, with TRL's
+    adder as TRL made it (what ``patch()`` before ``import trl`` leaves: nothing wraps it then). 1 graph, 0 breaks.
+    The control: SFTTrainer itself then keeps TRL's head, which breaks the graph twice."""
+    import trl.trainer.sft_trainer as sft
 
-    script = (
-        "import sys, compilepack\n"
-        "from compilepack.patching import family_named\n"
-        "from tests.families import build_tiny\n"
-        "model = compilepack.patch(build_tiny(family_named('llama')))\n"
-        "assert 'trl' not in sys.modules\n"
-        "import trl.trainer.sft_trainer as sft\n"
-        "sft.add_fused_lm_head(model)\n"
-        "print(type(model.__dict__['forward']).__name__)\n"
-    )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                          cwd=str(__import__("pathlib").Path(__file__).resolve().parents[2]))
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == "RoutedFusedHead"
+    torch.manual_seed(0)
+    model = compilepack.patch(build_tiny(family_named("llama")))
+    control = compilepack.patch(copy.deepcopy(model))
+    # patch() wrapped TRL's adder (TRL was imported): undone, as if TRL had been imported after patch()
+    monkeypatch.setattr(sft, "add_fused_lm_head", sft.add_fused_lm_head.__compilepack_original__)
+    trainer = sft_trainer(model, tmp_path, compile_=False, trainer_class=with_routed_head(SFTTrainer))
+    assert isinstance(model.__dict__.get("forward"), RoutedFusedHead)
+    batch = {**next(iter(trainer.get_train_dataloader())), "fused_lm_head": True}
+    report = compilepack.explain(model, batch, backward=True)
+    assert (report.graphs, report.graph_breaks) == (1, 0), report
+
+    sft_trainer(control, tmp_path / "control", compile_=False)
+    assert is_trl_head(control.__dict__.get("forward"))
+    assert compilepack.explain(control, batch, backward=True).graph_breaks == 2

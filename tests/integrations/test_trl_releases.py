@@ -3,13 +3,15 @@ from the installed TRL so that the fast suite covers them (CI's TRL stages run t
 
 - no ``add_fused_lm_head`` (TRL 1.0 to 1.14): ``patch()`` works; it raised ``AttributeError`` before (the control
   below restores that code path's assumption and sees the error);
-- a head compilepack does not recognise (TRL 1.15's, or a later one whose kernel takes other arguments): left as TRL
-  made it, one ``UnroutedTrlHeadWarning`` per process, and ``explain`` shows its breaks (the control: the same head
-  with TRL's kernel as it is routes to 1 graph, 0 breaks).
+- a head compilepack does not recognise (a later TRL's, with another option): left as TRL made it, one
+  ``UnroutedTrlHeadWarning`` per process, and ``explain`` shows its breaks (the control: TRL's head as it is routes
+  to 1 graph, 0 breaks);
+- a head whose kernel TRL leaves None (1.15 without Triton): replaced all the same (compilepack never calls it).
 """
 
 from __future__ import annotations
 
+import types
 import warnings
 
 import pytest
@@ -49,43 +51,47 @@ def test_patch_works_with_a_trl_without_the_fused_head(monkeypatch):
         trl_utils.add_fused_lm_head  # noqa: B018
 
 
-TRL_KERNEL = getattr(trl_utils, "_ChunkedLogProbFunction", None) or torch.autograd.Function
+def add_later_trl_head(model):
+    """What a later TRL's head looks like to compilepack: TRL's module and name, one option more (it runs TRL's own
+    head, so its loss is TRL's)."""
+    trl_utils.add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))
+    trl_head, new_option = model.__dict__["forward"], True
 
+    def _fused_forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
+                       **kwargs):
+        assert new_option
+        return trl_head(*args, fused_lm_head=fused_lm_head, labels=labels, shift_labels=shift_labels,
+                        num_items_in_batch=num_items_in_batch, **kwargs)
 
-class RenamedArgumentsKernel(TRL_KERNEL):
-    """TRL's kernel with one argument renamed: what a TRL whose head compilepack does not know looks like."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, softcapping=None, logit_scale=1.0,
-                outputs=("log_probs",)):
-        return TRL_KERNEL.forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, softcapping,
-                                  logit_scale, outputs)
+    head = types.FunctionType(_fused_forward.__code__, vars(trl_utils), "_fused_forward", None,
+                              _fused_forward.__closure__)
+    head.__kwdefaults__ = _fused_forward.__kwdefaults__
+    model.forward = types.MethodType(head, model)
 
 
 @needs_head
 def test_unrecognised_head_is_left_alone_with_one_warning_and_explain_shows_the_breaks(monkeypatch):
     monkeypatch.setattr(integration, "_warned_versions", set())
     model = tiny_llama()
-    trl_utils.add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))
+    add_later_trl_head(model)
     batch = {**hf_batch(random_docs(model.config.vocab_size, [30, 5, 20])), "fused_lm_head": True}
 
-    monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", RenamedArgumentsKernel)
-    with pytest.warns(UnroutedTrlHeadWarning, match=r"does not recognise TRL .*'softcapping'.*break the graph"):
+    with pytest.warns(UnroutedTrlHeadWarning, match=r"does not recognise TRL .*'new_option'.*break the graph"):
         compilepack.patch(model)
     assert is_trl_head(model.__dict__["forward"]) and compilepack.is_patched(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # one warning per process: a second model, a second head, no second warning
         other = tiny_llama()
-        trl_utils.add_fused_lm_head(compilepack.patch(other))
+        add_later_trl_head(compilepack.patch(other))
         assert is_trl_head(other.__dict__["forward"])
-    report = compilepack.explain(model, batch, backward=True)  # TRL's two breaks, and one of this test's kernel
+    report = compilepack.explain(model, batch, backward=True)  # TRL's two breaks
     assert report.graph_breaks >= 2 and "non-contiguous `out=`" in report.break_reasons[0], report
     with torch.no_grad():
         assert torch.isfinite(model(**batch).loss)
 
-    # the control: TRL's kernel as it is, the same head is routed into one graph
+    # the control: TRL's head as it is, on the same model, is routed into one graph
     compilepack.unpatch(model)
-    monkeypatch.undo()
+    trl_utils.add_fused_lm_head(model, outputs=("log_probs", "entropy", "is_top1"))
     compilepack.patch(model)
     assert isinstance(model.__dict__["forward"], RoutedFusedHead)
     report = compilepack.explain(model, batch, backward=True)
@@ -93,15 +99,22 @@ def test_unrecognised_head_is_left_alone_with_one_warning_and_explain_shows_the_
 
 
 @needs_head
-def test_head_without_a_kernel_is_left_alone(monkeypatch):
-    """TRL 1.15 without Triton: ``_ChunkedLogProbFunction`` is None (TRL's own step cannot run); patch() still works."""
-    monkeypatch.setattr(integration, "_warned_versions", set())
+def test_head_without_a_kernel_is_routed_all_the_same(monkeypatch):
+    """TRL 1.15 without Triton leaves ``_ChunkedLogProbFunction`` None (TRL's own step cannot run). compilepack's
+    forward never calls TRL's kernel, so the head is replaced and runs (the control: TRL's head itself fails)."""
     monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", None)
     model = tiny_llama()
     trl_utils.add_fused_lm_head(model)
-    with pytest.warns(UnroutedTrlHeadWarning, match="_ChunkedLogProbFunction is missing"):
+    trl_head = model.__dict__["forward"]
+    batch = {**hf_batch(random_docs(model.config.vocab_size, [30, 5, 20])), "fused_lm_head": True}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         compilepack.patch(model)
-    assert is_trl_head(model.__dict__["forward"])
+    assert isinstance(model.__dict__["forward"], RoutedFusedHead)
+    with torch.no_grad():
+        assert torch.isfinite(model(**batch).loss)
+        with pytest.raises(AttributeError, match="apply"):
+            trl_head(**batch)
 
 
 def chunked_ce_installer():
