@@ -6,6 +6,7 @@ from . import peft  # registers the guard of the input embeddings' requires_grad
 from . import trl  # registers the routing of TRL's fused LM head with patch()
 from ..batch import add_boundaries, to_device, with_boundaries
 from .context_parallel_trainer import Balance, ContextParallelTrainerMixin, attention_length_of, context_parallel
+from .trl import with_routed_head
 
 __all__ = [
     "Balance",
@@ -15,4 +16,5 @@ __all__ = [
     "context_parallel",
     "to_device",
     "with_boundaries",
+    "with_routed_head",
 ]
