@@ -1,15 +1,8 @@
-"""The bars, checked per family against one run's results, on paired ratios. Their targets are :data:`TARGETS`,
-the table docs/benchmarks.md shows (a test checks the two agree); this module says which modes each compares
-and by which rule.
-
-A speed bar compares two modes round by round: they ran their timed round ``r`` one right after the other (see
-``rounds``), so ``ratio_r`` = tokens/s of mode A in round r / tokens/s of mode B in round r sees the same machine
-load on both sides. The bar's ``value`` is the median of the paired ratios, ``min`` and ``max`` their range, and its
-``status``, for a bar decided in every round: "met" only if even the smallest ratio reaches the target, "missed"
-only if even the largest falls short, "not decided" when the rounds straddle it; for a bar decided on the median:
-"met" or "missed" by the median alone; "n/a" when a figure is missing. "Patched packed" is whichever of patched
-eager and patched compiled has the higher median; the grouped bars are patched compiled, never patched eager
-swapped in for its higher median (a mode chosen by its median can read "met" while its own rounds miss).
+"""The bars, checked per family on paired ratios against :data:`TARGETS` (docs/benchmarks.md shows the table and
+says the rules: a test checks the two agree). A speed bar's ``ratio_r`` is mode A's tokens/s over mode B's in
+round ``r`` (taken side by side, see ``rounds``); its ``value`` is their median, ``status`` "met" / "missed" /
+"not decided" by their range (every round) or their median, "n/a" when a figure is missing. The grouped bars are
+patched compiled, never patched eager swapped in for a higher median (its own rounds could miss).
 """
 
 from __future__ import annotations
@@ -17,15 +10,8 @@ from __future__ import annotations
 import statistics
 from typing import NamedTuple
 
-from .modes import (
-    PATCHED_PACKED_COMPILED,
-    PATCHED_PACKED_EAGER,
-    STOCK_GROUPED_COMPILED,
-    STOCK_GROUPED_EAGER,
-    STOCK_PACKED,
-    STOCK_PADDED_COMPILED,
-    STOCK_PADDED_EAGER,
-)
+from .modes import (PATCHED_PACKED_COMPILED, PATCHED_PACKED_EAGER, STOCK_GROUPED_COMPILED, STOCK_GROUPED_EAGER,
+                    STOCK_PACKED, STOCK_PADDED_COMPILED, STOCK_PADDED_EAGER)
 
 ARRIVAL_MODES = (STOCK_PADDED_EAGER, STOCK_PADDED_COMPILED)
 PATCHED_PACKED = (PATCHED_PACKED_EAGER, PATCHED_PACKED_COMPILED)
@@ -68,20 +54,13 @@ def targets_table() -> str:
 
 def evaluate(results: list[dict]) -> list[dict]:
     """One entry per (family, bar): value (median), min, max, target, status, met, detail."""
-    bars = []
-    for family in dict.fromkeys(r["family"] for r in results):
-        by_mode = {r["mode"]: r for r in results if r["family"] == family}
-        bars += _family_bars(family, by_mode)
-    return bars
+    return [bar for family in dict.fromkeys(r["family"] for r in results)
+            for bar in _family_bars(family, {r["mode"]: r for r in results if r["family"] == family})]
 
 
 def tokens_per_s(by_mode: dict, mode: str) -> float | None:
-    """The mode's median tokens/s, None without one (not run, failed before a round, no round measured). A mode
-    stopped after some rounds keeps the rounds it measured."""
-    result = by_mode.get(mode)
-    if result is None or not result.get("tokens_per_s"):
-        return None
-    return result["tokens_per_s"]
+    """The mode's median tokens/s, None without one (not run, failed before a round, no round measured)."""
+    return (by_mode.get(mode) or {}).get("tokens_per_s") or None
 
 
 def round_tokens_per_s(result: dict) -> dict[int, float]:
@@ -108,25 +87,22 @@ def status(low: float, high: float, target: float, higher_is_better: bool = True
     return NOT_DECIDED
 
 
-def best_of(by_mode: dict, modes) -> tuple[str | None, float | None]:
-    candidates = [(tokens_per_s(by_mode, m), m) for m in modes if tokens_per_s(by_mode, m)]
-    if not candidates:
-        return None, None
-    value, mode = max(candidates)
-    return mode, value
+def best_of(by_mode: dict, modes) -> str | None:
+    """The one of ``modes`` with the higher median tokens/s, None if none has one."""
+    return max(((tokens_per_s(by_mode, m), m) for m in modes if tokens_per_s(by_mode, m)), default=(None, None))[1]
 
 
 def attention_only(family: str) -> bool:
-    """Whether every layer of the family's model is attention alone (``Family.stock_packs_positions``, declared by
-    the family's layers): its grouped bar is "no slower" on the median, not a speedup in every round."""
+    """Whether every layer of the family's model is attention alone (``Family.stock_packs_positions``): its grouped
+    bar is "no slower" on the median, not a speedup in every round."""
     from compilepack.patching import family_named
 
     return family_named(family).stock_packs_positions
 
 
 def _family_bars(family: str, by_mode: dict) -> list[dict]:
-    patched = best_of(by_mode, PATCHED_PACKED)[0] or PATCHED_PACKED
-    arrival = best_of(by_mode, ARRIVAL_MODES)[0] or ARRIVAL_MODES
+    patched = best_of(by_mode, PATCHED_PACKED) or PATCHED_PACKED
+    arrival = best_of(by_mode, ARRIVAL_MODES) or ARRIVAL_MODES
     goal = {key: target.value for key, target in TARGETS.items()}
     bars = [_ratio_bar(family, f"patched packed >= {goal['arrival']:g}x faster arrival-order stock padded", by_mode,
                        patched, arrival, goal["arrival"]),

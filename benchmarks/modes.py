@@ -97,7 +97,7 @@ class Workload:
 @dataclasses.dataclass(frozen=True)
 class Mode:
     name: str
-    layout: str  # how a step's documents become a batch: see ``_LAYOUTS``
+    layout: str  # how a step's documents become a batch: see ``_LAYOUT_TEXTS``
     patched: bool
     compile: str | None  # None: eager; "dynamic": torch.compile(dynamic=True); "static": plain torch.compile
 
@@ -120,30 +120,23 @@ class Mode:
             rounds = [[step] * (workload.patched_steps_per_round if self.patched else 1) for step in timed]
         if self.layout == "padded" and self.compile is EAGER:
             warmup = [data.steps_by_token_budget(step, PADDED_EAGER_WARMUP_TOKENS)[0] for step in warmup]
-        layout = _LAYOUTS[self.layout]
-        return layout(warmup, workload), [layout(steps, workload) for steps in rounds]
+        collate = self._collate(workload)
+        return ([Batch(collate(step), step) for step in warmup],
+                [[Batch(collate(step), step) for step in steps] for steps in rounds])
+
+    def _collate(self, workload: Workload):
+        """How a step's documents become this mode's batch (see ``_LAYOUT_TEXTS``)."""
+        if self.layout in ("padded", "grouped"):
+            return data.padded_batch
+        if self.layout in ("padded64", "grouped64"):
+            return lambda step: data.padded_batch(step, multiple_of=64)
+        if self.layout == "hf_packed":
+            return data.hf_packed_batch
+        warmup, timed = workload.arrival_steps()  # "fixed": one shape that fits every step
+        collate = data.fixed_shape_collator(warmup + timed, workload.tokens_per_step)
+        return lambda step: collate([{"input_ids": doc} for doc in step])
 
 
-def _padded(steps, workload, multiple_of=1):
-    return [Batch(data.padded_batch(step, multiple_of), step) for step in steps]
-
-
-def _padded64(steps, workload):
-    return _padded(steps, workload, multiple_of=64)
-
-
-def _hf_packed(steps, workload):
-    return [Batch(data.hf_packed_batch(step), step) for step in steps]
-
-
-def _fixed(steps, workload):
-    warmup, timed = workload.arrival_steps()
-    collate = data.fixed_shape_collator(warmup + timed, workload.tokens_per_step)
-    return [Batch(collate([{"input_ids": doc} for doc in step]), step) for step in steps]
-
-
-_LAYOUTS = {"padded": _padded, "padded64": _padded64, "grouped": _padded, "grouped64": _padded64,
-            "hf_packed": _hf_packed, "fixed": _fixed}
 GROUPED_LAYOUTS = ("grouped", "grouped64")
 
 _LAYOUT_TEXTS = {

@@ -38,36 +38,26 @@ def add_ratios(results: list[dict]) -> None:
             result["speedup_vs_range"][base] = [round(min(ratios), 2), round(max(ratios), 2)] if ratios else None
 
 
-def tokens_cell(r: dict) -> str:
-    """``median [min-max]`` tokens/s, or ``-``."""
-    if not r.get("tokens_per_s"):
-        return "-"
-    low, high = r.get("tokens_per_s_min"), r.get("tokens_per_s_max")
-    if low is None or high is None or low == high:
-        return f"{r['tokens_per_s']:.0f}"
-    return f"{r['tokens_per_s']:.0f} [{low:.0f}-{high:.0f}]"
-
-
-def ratio_cell(value, low=None, high=None) -> str:
-    """``median [min-max]`` of a ratio (``x`` suffix), or ``-``."""
+def range_cell(value, low, high, spec: str, suffix: str = "") -> str:
+    """``median [min-max]`` formatted with ``spec`` (the range left out where it is one value), or ``-``."""
     if value is None:
         return "-"
     if low is None or high is None or low == high:
-        return f"{value:.2f}x"
-    return f"{value:.2f}x [{low:.2f}-{high:.2f}]"
+        return f"{value:{spec}}{suffix}"
+    return f"{value:{spec}}{suffix} [{low:{spec}}-{high:{spec}}]"
+
+
+def tokens_cell(r: dict) -> str:
+    return range_cell(r.get("tokens_per_s") or None, r.get("tokens_per_s_min"), r.get("tokens_per_s_max"), ".0f")
 
 
 def _speedup_cell(r: dict, base: str) -> str:
-    low_high = (r.get("speedup_vs_range") or {}).get(base) or (None, None)
-    return ratio_cell((r.get("speedup_vs") or {}).get(base), *low_high)
+    low, high = (r.get("speedup_vs_range") or {}).get(base) or (None, None)
+    return range_cell((r.get("speedup_vs") or {}).get(base), low, high, ".2f", "x")
 
 
 def bar_value_cell(bar: dict) -> str:
-    if bar["value"] is None:
-        return "-"
-    if bar.get("min") is None or bar["min"] == bar["max"]:
-        return f"{bar['value']:.2f}"
-    return f"{bar['value']:.2f} [{bar['min']:.2f}-{bar['max']:.2f}]"
+    return range_cell(bar["value"], bar.get("min"), bar.get("max"), ".2f")
 
 
 def write_json(report: dict, path: pathlib.Path) -> None:

@@ -41,20 +41,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("--modes", default=None,
                         help=f"comma-separated modes, or 'all' (default: {','.join(DEFAULT_MODES)})")
     parser.add_argument("--full", action="store_true", help="every mode (the full matrix; same as --modes all)")
-    parser.add_argument("--steps", type=int, default=3,
-                        help="timed rounds per mode, taken round-robin across a family's modes (default: 3)")
-    parser.add_argument("--warmup-steps", type=int, default=1,
-                        help="warm-up steps per mode, the compile for compiled modes (default: 1)")
-    parser.add_argument("--tokens-per-step", type=int, default=8192,
-                        help="real (non-padding) tokens per step, at most (default: 8192)")
+    parser.add_argument("--steps", type=int, default=3, help="timed rounds per mode, round-robin (default: 3)")
+    parser.add_argument("--warmup-steps", type=int, default=1, help="warm-up steps per mode, the compile (default: 1)")
+    parser.add_argument("--tokens-per-step", type=int, default=8192, help="real tokens a step, at most (default: 8192)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default: cpu)")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend (default: inductor)")
-    parser.add_argument("--mode-timeout", type=float, default=120.0,
-                        help="seconds a mode's worker may take to get ready (build, check, compile, warm-up) "
-                             "before it is stopped and reported as timed out (default: 120)")
-    parser.add_argument("--step-timeout", type=float, default=300.0,
-                        help="seconds a mode may take for one timed round, a stop for a step that hangs, not a "
-                             "budget: on 2 idle cores the slowest round takes ~17 s (default: 300)")
+    parser.add_argument("--mode-timeout", type=float, default=120.0, help="seconds a mode's worker may take to get "
+                        "ready (build, check, compile, warm-up) before it is stopped as timed out (default: 120)")
+    parser.add_argument("--step-timeout", type=float, default=300.0, help="seconds a mode may take for one timed "
+                        "round: a stop for a step that hangs (the slowest takes ~17 s on 2 idle cores; default: 300)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the document mix and the weights")
     parser.add_argument("--out", default=str(RESULTS), help="output directory (default: benchmarks/results)")
@@ -118,10 +113,9 @@ def check_dependencies(plot: bool = True) -> bool:
 
 def _importable(module: str) -> bool:
     try:
-        importlib.import_module(module)
+        return bool(importlib.import_module(module))
     except ImportError:
         return False
-    return True
 
 
 def resolve_families(text: str) -> list[str]:
@@ -156,6 +150,7 @@ def _run_all(args, families, modes, workload, scratch: pathlib.Path, log_dir: pa
     from compilepack.patching import family_named
 
     from .isolation import ProcessContext
+    from .modes import EAGER, mode_named
     from .report import write_json
     from .rounds import run_family, warm_up_in_lanes
 
@@ -173,7 +168,7 @@ def _run_all(args, families, modes, workload, scratch: pathlib.Path, log_dir: pa
         count = lambda key, what: bar.update(1) if what != "ended" else None  # noqa: E731
         try:
             early = {(family, mode): w for family, by_mode in workers.items() for mode, w in by_mode.items()
-                     if _compiles(mode)}
+                     if mode_named(mode).compile is not EAGER}
             warm = warm_up_in_lanes(early, _compile_lanes(), args.mode_timeout, count)
             for family in families:
                 done_before = bar.n
@@ -198,12 +193,6 @@ def _run_all(args, families, modes, workload, scratch: pathlib.Path, log_dir: pa
                 for worker in by_mode.values():
                     worker.stop()
     return results
-
-
-def _compiles(mode: str) -> bool:
-    from .modes import EAGER, mode_named
-
-    return mode_named(mode).compile is not EAGER
 
 
 def _compile_lanes() -> int:

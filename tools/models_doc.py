@@ -7,29 +7,25 @@ For every registered family (its bench model, fp32, CPU) the same packed documen
 and each is compared with every document run alone (max |logit difference|), or the error it raises.
 
     python tools/models_doc.py            # print the table
-    python tools/models_doc.py --write    # regenerate the generated blocks of docs/models.md
-    python tools/models_doc.py --wiring   # JSON: what stock hands each kernel function (this transformers)
+    python tools/models_doc.py --write    # regenerate the family table of docs/models.md
 
 ``--write`` rewrites only what lies between docs/models.md's ``<!-- models_doc.py: families -->`` and ``<!--
-/models_doc.py -->`` markers; the rest of the page is edited by hand (the stock-paths table from ``--wiring``).
+/models_doc.py -->`` markers; the rest of the page (measured once, each section says how and when) is edited by
+hand.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import inspect
-import json
 import random
 import re
-import sys
 from pathlib import Path
 
 import torch
 import transformers
 
 import compilepack
-from compilepack.patching.family import function_behind
 from compilepack.testing.batches import packed_batch, position_ids_only, random_documents
 from compilepack.testing.reference import logits_alone, max_error
 
@@ -77,80 +73,6 @@ def _error(model, batch, spans, alone) -> str:
     return f"{max_error(logits, spans, alone):.1e}"
 
 
-BOUNDARY_KWARGS = ("seq_idx", "cu_seqlens")
-# kernel function (transformers' name for it in use_kernel_func_from_hub_with_fallback) -> the boundary argument its
-# package's function takes (read in causal-conv1d 1.7.0, mamba-ssm 2.3.2.post1, fla-core 0.6.0), None if none:
-# transformers hands the package only the kwargs its signature names
-KERNEL_BOUNDARY = {
-    "causal_conv1d_fn": "seq_idx", "mamba_chunk_scan_combined": "seq_idx",
-    "mamba_split_conv1d_scan_combined": "seq_idx", "chunk_gated_delta_rule": "cu_seqlens", "chunk_kda": "cu_seqlens",
-    "selective_scan_fn": None, "mamba_inner_fn": None,
-}
-
-
-def kernel_closure(function) -> dict:
-    """The closure cells of a transformers kernel function (``use_kernel_func_from_hub_with_fallback``'s wrapper)."""
-    function = function_behind(function) or function
-    return inspect.getclosurevars(function).nonlocals if inspect.isfunction(function) else {}
-
-
-def stock_kernel_wiring(family) -> dict[str, str]:
-    """What stock hands each kernel-backed function of the family's modeling module for a training step on the HF
-    collator's packed batch (``use_cache=False``), and whether that keeps the documents apart in the kernel package:
-    ``{"causal_conv1d_fn -> causal_conv1d.causal_conv1d_fn": "apart (seq_idx)", ...}`` or ``"mixed (...)"``. Each
-    function is replaced by a recorder that calls the torch fallback without the boundaries, so one CPU run shows
-    what the kernels would receive on CUDA (where they get the kwargs their signature names)."""
-    model = bench_model(family).train()  # training asks the fused mixer kernels first
-    module = sys.modules[type(model).__module__]
-    received: dict[str, set] = {}
-    stock, kernels = {}, {}
-    for name, function in list(vars(module).items()):
-        cells = kernel_closure(function)
-        if "is_new_implementation" in cells:
-            stock[name], kernels[name] = function, (cells["package"], cells["func_name"])
-            setattr(module, name, _recorder(name, cells["torch_function"], received))
-    try:
-        with torch.no_grad():
-            model(**packed_batch(documents(model)).batch, use_cache=False)
-    finally:
-        for name, function in stock.items():
-            setattr(module, name, function)
-    return {f"{name} -> {kernels[name][0]}.{kernels[name][1]}": _verdict(kernels[name][1], kwargs)
-            for name, kwargs in sorted(received.items())}
-
-
-def _verdict(kernel: str, received: set) -> str:
-    needed = KERNEL_BOUNDARY.get(kernel, "unknown")
-    got = ", ".join(sorted(received)) or "no boundary"
-    if needed is None:
-        return f"mixed (the kernel takes no boundary; stock passes {got})"
-    if needed in received:
-        return f"apart ({needed})"
-    return f"mixed (the kernel takes {needed}; stock passes {got})"
-
-
-def _recorder(name, torch_function, received):
-    def record(*args, **kwargs):
-        received.setdefault(name, set()).update(k for k in BOUNDARY_KWARGS if kwargs.get(k) is not None)
-        return torch_function(*args, **{k: v for k, v in kwargs.items() if k not in BOUNDARY_KWARGS})
-
-    return record
-
-
-def wiring() -> dict:
-    """``stock_kernel_wiring`` of every available family that has kernel-backed functions, for this transformers."""
-    result = {}
-    for family in compilepack.families():
-        if family.available:
-            try:
-                found = stock_kernel_wiring(family)
-            except Exception as error:  # a family stock cannot run is a finding
-                found = {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:120]}"}
-            if found:
-                result[family.name] = found
-    return {"transformers": transformers.__version__, "families": result}
-
-
 def table() -> str:
     lines = ["| family (`model_type`) | transformers | patched layers (globals rebound) | CUDA kernels | "
              + " | ".join(COLUMNS) + " |", "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -176,11 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python tools/models_doc.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--write", action="store_true", help=f"rewrite the generated blocks of {DOCS_PATH}")
-    parser.add_argument("--wiring", action="store_true", help="print what stock hands each kernel function (JSON)")
     args = parser.parse_args(argv)
-    if args.wiring:
-        print(json.dumps(wiring(), indent=1))
-        return 0
     text = table()
     if args.write:
         notes = "\n".join(f"- `{f.name}`: {f.docs.stock_packed}" for f in compilepack.families())
