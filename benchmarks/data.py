@@ -1,8 +1,5 @@
-"""The benchmark's documents and the batches every mode builds from them.
-
-No downloads: the text is the installed stdlib's ``.py`` sources, encoded as bytes (token ids fit the bench
-vocabulary of 256). Document lengths are lognormal, clipped to ``[min_len, max_len]``: many short samples and a
-long tail, like an SFT mix.
+"""The benchmark's documents, the installed stdlib's ``.py`` sources as bytes (ids fit the bench vocabulary of
+256; no downloads) at lognormal lengths (an SFT-like mix), and the batches every mode builds from them.
 """
 
 from __future__ import annotations

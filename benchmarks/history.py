@@ -1,9 +1,5 @@
-"""The results folder: one appended history table of every run, and the latest run of each kind.
-
-``benchmarks/results/history.csv`` gets one row per family and mode of every training run (date, commit, machine,
-torch, transformers, tokens/s, the ratio against stock grouped eager, the bars that row decides); its older rows
-also hold the long-row sweeps and the op benchmark of earlier commits. :func:`write` writes a run's JSON, markdown
-and PNG; only the latest run of each kind (``cpu-<date>``) stays in the folder, git keeps the older ones.
+"""The results folder: ``history.csv``, one row per family and mode of every run (its older rows also hold the
+long-row sweeps and op benchmarks of earlier commits), and the latest run of each kind (git keeps the older).
 Standard library only at import: the benchmark's entry point imports it before any extra is checked.
 """
 
@@ -83,9 +79,8 @@ def keep_latest(folder: pathlib.Path, stem: str) -> list[str]:
 
 
 def write(report: dict, out: pathlib.Path, stem: str, markdown, plot=None, show=None, no_plot: str = "") -> None:
-    """``out/<stem>.json``, ``.md`` and (with ``plot``) ``.png``; the run shown (``show``); its rows appended to
-    ``out/history.csv``; the older runs of its kind removed from ``out``. ``no_plot``: what the last line says
-    where no plot was drawn."""
+    """``out/<stem>.json``, ``.md`` and (with ``plot``) ``.png``; the run shown; its rows appended to the history
+    table; the older runs of its kind removed from ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{stem}.json").write_text(json.dumps(report, indent=1) + "\n")
     (out / f"{stem}.md").write_text(markdown(report))

@@ -1,5 +1,4 @@
-"""What a mode measures about itself: step times, compile counters, peak memory, logits against each document
-run alone."""
+"""What a mode measures about itself: compile counters, CPU seconds, peak memory, logits of each document alone."""
 
 from __future__ import annotations
 
@@ -51,9 +50,7 @@ class PeakRss:
 
 def peak_memory_mb(device: torch.device, rss: PeakRss) -> float:
     """Max allocated on CUDA, RSS above the mode's baseline elsewhere."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    return rss.stop_mb()
+    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else rss.stop_mb()
 
 
 def synchronizer(device: torch.device):

@@ -1,9 +1,6 @@
-"""The benchmark's modes: how each one batches the same documents, and whether it patches and compiles.
-
-Every mode sees the same documents and the same real-token budget per step. The stock padded modes are what
-users run with HF Trainer (``attention_mask``, labels -100 on pads, ``use_cache=False``); the packed modes get
-the HF flattening collator's batch (``DataCollatorWithFlattening(return_flash_attn_kwargs=True,
-return_seq_idx=True)``) or compilepack's fixed-shape ``PackedCollator``.
+"""The benchmark's modes: how each one batches the same documents (the same real-token budget per step), and
+whether it patches and compiles. The stock padded modes are what users run with HF Trainer; the packed modes get
+the HF flattening collator's batch or compilepack's fixed-shape ``PackedCollator``.
 """
 
 from __future__ import annotations
@@ -36,8 +33,7 @@ class Batch(NamedTuple):
         return sum(len(doc) for doc in self.docs)
 
     @property
-    def shaped_tokens(self) -> int:
-        """Tokens the model computes on (padding included)."""
+    def shaped_tokens(self) -> int:  # padding included
         return self.tensors["input_ids"].numel()
 
 
@@ -164,8 +160,7 @@ MODE_NAMES = tuple(mode.name for mode in MODES)
 PADDED_MODES = (STOCK_PADDED_EAGER, STOCK_PADDED_COMPILED, STOCK_GROUPED_EAGER, STOCK_GROUPED_COMPILED)
 
 # Stock torch.compile(dynamic=True) of these families fails in inductor on the bench models (torch 2.13.0,
-# transformers 5.24.0), after 40-85 s of compiling on 2 cores. The default run does not spend that time on
-# stock_grouped_compiled: the mode reports this error without running; --full and --modes run it.
+# transformers 5.24.0) after 40-85 s: the default run reports the error without running; --full and --modes run it.
 STOCK_INDUCTOR_FAILS = {
     "qwen3_next": "InductorError: TypeError: cannot determine truth value of Relational: 256*(((s27 + (Mod(64 - "
                   "(Mod(s27, 64)), 64)))//64))*... < 8",
@@ -173,10 +168,8 @@ STOCK_INDUCTOR_FAILS = {
     "bamba": "InductorError: TypeError: cannot determine truth value of Relational: 1 < s27",
 }
 
-# What the default run leaves out (``--full`` runs every mode), and why: the default is sized for ~10 minutes on 2
-# idle cores with 3 timed rounds per mode (a progress bar shows where it is). Its five cold compiles and its timed
-# steps alone keep both cores busy for ~7 minutes, so every further compile is a visible share of the budget
-# (docs/benchmarks.md, "What the default costs").
+# What the default run leaves out (``--full`` runs every mode), and why: sized for ~10 minutes on 2 idle cores, its
+# five cold compiles and timed steps keep both cores busy ~7 minutes (docs/benchmarks.md, "What the default costs").
 LEFT_OUT_BY_DEFAULT = {
     STOCK_PADDED_COMPILED: "a cold stock compile per family (25 s for Llama; on the hybrids inductor fails after "
                            "40-85 s with InductorError), so the default has no stock compile time to compare and "

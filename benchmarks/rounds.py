@@ -1,14 +1,10 @@
 """The round-robin driver: one warm worker per mode of a family, timed steps taken in rounds.
 
-First the compiled modes of every family get ready (:func:`warm_up_in_lanes`, one cold compile per core: dynamo,
-AOT autograd and inductor are single-threaded Python), then each family's eager modes; the rounds run only once no
-compile is left anywhere. Round ``r`` asks every ready worker for its round ``r``, in the family's mode order
-rotated by ``r``, one step at a time: a round of several steps (the grouped mode's long, middle and short batch,
-the patched modes' repeated arrival step) is interleaved step by step with the other modes', so the steps a paired
-ratio compares lie next to each other in time and a load change hits both. Measured on the Qwen3.5 bench model
-(patched compiled / stock grouped eager, 10 rounds): three grouped steps then three patched ones gave ratios
-1.10-1.29 (standard deviation 0.061), the same steps alternating 1.19-1.29 (0.034). Only one family's eager
-workers are alive at a time, which bounds memory (a padded hybrid step holds ~6 GB).
+The compiled modes of every family get ready first (one cold compile per core: dynamo and inductor are
+single-threaded Python), then each family's eager modes. Round ``r`` runs every ready worker's round ``r`` in the
+mode order rotated by ``r``, one step at a time, so the steps a paired ratio compares lie side by side in time
+(Qwen3.5 bench model, 10 rounds: ratios 1.19-1.29 alternating, 1.10-1.29 three steps at a time). One family's
+eager workers are alive at a time, which bounds memory (a padded hybrid step holds ~6 GB).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from .history import RESULTS
 from .measure import load_average
 
 DEFAULT_FAMILIES = ("llama", "qwen3_next", "qwen3_5", "bamba")
-# What the run needs beside torch (the `bench` extra), checked before any work: module -> what it is for
+# The `bench` extra, checked before any work: module -> what it is for
 REQUIRED = {"psutil": "peak memory per mode and stopping a worker's compile processes", "tqdm": "the progress bar",
             "rich": "the console table"}
 # Every run's fixed settings, recorded in the report as they always were: the compiled modes of every family warm
@@ -219,8 +219,7 @@ def _matmul_throughput(args) -> dict:
 
 
 def _add_utilization(report: dict, matmul: list[dict]) -> None:
-    """The measured fp32 matmul throughput (at the run's start and end) and every mode's model FLOPs utilization
-    against the better of the two: useful model FLOPs per second (flops.step_flops) over that throughput."""
+    """The fp32 matmul throughput measured at the run's start and end, and every mode's MFU against the better."""
     measured = [m for m in matmul if m]
     report["matmul"] = measured
     if not measured:
@@ -293,8 +292,6 @@ def _workload_summary(workload) -> dict:
 
 
 def _write(report: dict, out: pathlib.Path, stem: str, can_plot: bool = True) -> None:
-    """The run's JSON, markdown and plot; its rows appended to the history table; older runs of its kind removed
-    from ``out`` (the latest run of each kind is what the folder keeps)."""
     from .history import write
     from .report import markdown, plot, print_console
 

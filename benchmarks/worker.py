@@ -1,6 +1,5 @@
 """One (family, mode) worker: build the model, check it, patch, compile and warm up, then run timed rounds on
-command, then summarize. It runs in its own process (``isolation``): empty dynamo and inductor caches, its own
-peak memory, and a runaway compile or step can be stopped from outside without losing the other modes.
+command. It runs in its own process (``isolation``): empty dynamo and inductor caches, its own peak memory.
 """
 
 from __future__ import annotations
@@ -265,8 +264,7 @@ def serve(spec: ModeSpec, connection) -> None:
 
 
 def _import_family(spec: ModeSpec) -> None:
-    """Import what building the model imports lazily before the memory baseline, so the mode's peak memory is
-    its model, optimizer, activations and compile."""
+    """Import what building the model imports lazily before the memory baseline (peak memory is the mode's)."""
     import gc
 
     with contextlib.suppress(Exception):  # the session meets the same error and records it
@@ -275,8 +273,7 @@ def _import_family(spec: ModeSpec) -> None:
 
 
 def build_model(family, config, seed: int) -> torch.nn.Module:
-    """The family's bench model (``Family.bench``, or ``config``'s), random init from ``seed``, training mode, no
-    cache."""
+    """The family's bench model (or ``config``'s), random init from ``seed``, training mode, no cache."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -346,8 +343,7 @@ def _record_padding(result: dict, timed: list[Batch]) -> None:
 
 
 def _describe(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0][:300] if text else ''}"
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
 
 
 @contextlib.contextmanager
