@@ -1,9 +1,5 @@
-"""The benchmark's documents: byte-level text from Python's own stdlib, long-tailed lengths, and the batches
-every mode builds from the same documents.
-
-No downloads: the text is the installed stdlib's ``.py`` sources (code and docstrings), read in a fixed order
-and encoded as bytes, so token ids fit the bench configs' vocabulary of 256. Document lengths are lognormal,
-clipped to ``[min_len, max_len]``: many short samples and a long tail, like an SFT mix.
+"""The benchmark's documents, the installed stdlib's ``.py`` sources as bytes (ids fit the bench vocabulary of
+256; no downloads) at lognormal lengths (an SFT-like mix), and the batches every mode builds from them.
 """
 
 from __future__ import annotations
@@ -16,9 +12,9 @@ import random
 import sysconfig
 
 import torch
-from transformers import DataCollatorWithFlattening
 
 from compilepack.batch import IGNORE_INDEX, PackedCollator
+from compilepack.testing import packed_batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,18 +28,15 @@ class LengthMix:
 
     def sample(self, count: int, seed: int) -> list[int]:
         generator = random.Random(seed)
-        return [self._clip(generator.lognormvariate(self.mu, self.sigma)) for _ in range(count)]
-
-    def _clip(self, value: float) -> int:
-        return max(self.min_len, min(self.max_len, round(value)))
+        return [max(self.min_len, min(self.max_len, round(generator.lognormvariate(self.mu, self.sigma))))
+                for _ in range(count)]
 
 
 @functools.cache
 def stdlib_corpus(min_bytes: int = 4_000_000) -> bytes:
     """Stdlib sources concatenated in sorted path order, until ``min_bytes`` (deterministic per Python)."""
-    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
     chunks, size = [], 0
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted(pathlib.Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
         if "site-packages" in path.parts or "test" in path.parts:
             continue
         chunks.append(path.read_bytes())
@@ -55,13 +48,9 @@ def stdlib_corpus(min_bytes: int = 4_000_000) -> bytes:
 
 def documents(lengths: list[int], seed: int) -> list[list[int]]:
     """One document per length: a slice of the corpus at a random offset, as byte token ids."""
-    corpus = stdlib_corpus()
-    generator = random.Random(seed + 1)
-    docs = []
-    for length in lengths:
-        start = generator.randrange(0, len(corpus) - length)
-        docs.append(list(corpus[start : start + length]))
-    return docs
+    corpus, generator = stdlib_corpus(), random.Random(seed + 1)
+    starts = [generator.randrange(0, len(corpus) - length) for length in lengths]
+    return [list(corpus[start : start + length]) for start, length in zip(starts, lengths)]
 
 
 def steps_by_token_budget(docs: list[list[int]], tokens_per_step: int) -> list[list[list[int]]]:
@@ -73,16 +62,13 @@ def steps_by_token_budget(docs: list[list[int]], tokens_per_step: int) -> list[l
             current, used = [], 0
         current.append(doc)
         used += len(doc)
-    if current:
-        steps.append(current)
-    return steps
+    return steps + [current] * bool(current)
 
 
 def grouped_by_length(pool: list[list[list[int]]], tokens_per_step: int) -> list[list[list[int]]]:
-    """HF Trainer's ``group_by_length``: the documents of a pool of steps sorted by length (longest first), then
-    cut into steps of the same real-token budget, so each padded batch holds similar lengths."""
-    documents = sorted((doc for step in pool for doc in step), key=len, reverse=True)
-    return steps_by_token_budget(documents, tokens_per_step)
+    """HF Trainer's ``group_by_length``: a pool's documents sorted by length (longest first), cut into steps."""
+    return steps_by_token_budget(sorted((doc for step in pool for doc in step), key=len, reverse=True),
+                                 tokens_per_step)
 
 
 def evenly_spaced(items: list, count: int) -> list:
@@ -91,14 +77,10 @@ def evenly_spaced(items: list, count: int) -> list:
     return [items[int((i + 0.5) * len(items) / count)] for i in range(count)]
 
 
-# ------------------------------------------------------------------------------------------------ batches
-
-
 def padded_batch(step: list[list[int]], multiple_of: int = 1, pad_token_id: int = 0) -> dict:
     """Right-padded ``[B, L]`` batch as ``DataCollatorForLanguageModeling`` makes it: attention_mask 0 and
     labels -100 on pads; ``L`` is the longest document, rounded up to ``multiple_of``."""
-    longest = max(len(doc) for doc in step)
-    length = math.ceil(longest / multiple_of) * multiple_of
+    length = math.ceil(max(len(doc) for doc in step) / multiple_of) * multiple_of
     input_ids = torch.full((len(step), length), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((len(step), length), dtype=torch.long)
     for row, doc in enumerate(step):
@@ -108,23 +90,15 @@ def padded_batch(step: list[list[int]], multiple_of: int = 1, pad_token_id: int 
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
-_HF_FLATTENING = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)
-
-
 def hf_packed_batch(step: list[list[int]]) -> dict:
-    """The HF collator's packed batch: one ``[1, T]`` row with every boundary kwarg."""
-    return _HF_FLATTENING([{"input_ids": doc} for doc in step])
-
-
-def position_ids_only(batch: dict) -> dict:
-    """A packed batch reduced to what stock models detect packing from: position_ids, no boundary kwargs."""
-    return {k: batch[k] for k in ("input_ids", "labels", "position_ids")}
+    """The HF flattening collator's packed batch (one ``[1, T]`` row with every boundary kwarg), as
+    ``compilepack.testing.packed_batch`` builds it."""
+    return packed_batch(step).batch
 
 
 def fixed_shape_collator(steps: list[list[list[int]]], tokens_per_step: int) -> PackedCollator:
     """A PackedCollator whose shape fits every step: one row of ``tokens_per_step`` tokens (or of the longest
-    step, when a single document is longer than the budget: small test budgets), room for the most documents any
-    step has (rounded up to 64, plus the padding document)."""
+    step, for small test budgets), room for the most documents any step has (rounded up to 64, plus padding's)."""
     most_docs = max(len(step) for step in steps) + 1
     row = max(tokens_per_step, *(sum(len(doc) for doc in step) for step in steps))
     return PackedCollator(row, fixed_shape=True, rows=1, max_docs=math.ceil(most_docs / 64) * 64)

@@ -1,11 +1,8 @@
-"""Workers the round-robin driver (``rounds``) commands: one process per mode (the default), or in this process
-(``--isolation none``, debugging).
-
-Worker processes are forked from a forkserver that has already imported torch, transformers, compilepack and the
-families' modeling modules, so a worker starts in a fraction of a second with empty dynamo state. Every command
-has a time limit: a worker that does not get ready (build, check, compile, warm-up) within ``warmup_timeout_s``,
-or does not finish a round within ``step_timeout_s``, is stopped with its compile workers and reported as a
-``TimeoutError`` with the phase it was in and everything it had measured; a worker process that dies is reported
+"""The workers the round-robin driver (``rounds``) commands: one process per mode, forked from a forkserver that
+has already imported torch, transformers, compilepack and the families' modeling modules (a worker starts in a
+fraction of a second with empty dynamo state). Every command has a time limit: a worker that does not get ready
+within ``warmup_timeout_s``, or does not finish a round within ``step_timeout_s``, is stopped with its compile
+workers and reported as a ``TimeoutError`` with its phase and what it had measured; a worker that dies is reported
 with its exit code and the end of its log.
 """
 
@@ -34,8 +31,7 @@ class ProcessContext:
 
 class ProcessWorker:
     """One mode's worker process: ``start()``, ``await_ready``, ``run_round`` per round, ``finish``. Each call
-    that waits returns False (or the result) once the mode has ended: failed, died or stopped at its limit;
-    ``result`` then holds its figures and the error."""
+    that waits returns False (or the result) once the mode has ended (failed, died or stopped at its limit)."""
 
     def __init__(self, context, spec: worker.ModeSpec, on_phase=lambda phase: None):
         self.spec = spec
@@ -76,8 +72,7 @@ class ProcessWorker:
         return self.result
 
     def stop(self) -> None:
-        """Let a worker that sent its result exit (up to 10 s), then stop whatever is left of it; a worker that
-        did not (stopped at a limit, or the run interrupted) is stopped at once."""
+        """Let a worker that sent its result exit (up to 10 s), then stop whatever is left of it."""
         self._ended = True
         if self._process is not None and self._process.pid is not None:
             self._process.join(10 if self._sent_result else 0)
@@ -90,23 +85,18 @@ class ProcessWorker:
             self._receiver.send(command)
             return True
         except OSError:  # the worker is gone
-            self._process.join(5)
-            self._end(f"the mode's process died (exit code {self._process.exitcode}) during {self.phase}"
-                      + _log_tail(self.spec.log_path))
+            self._died()
             return False
 
     def _await(self, kind: str, deadline: float, limit_s: float, doing: str) -> bool:
-        """Read messages until one of ``kind`` (True) or the mode's end (False). Messages already sent count
-        even when read after the deadline."""
+        """Read messages until one of ``kind`` (True) or the mode's end (False)."""
         while True:
             remaining = deadline - time.monotonic()
             if self._receiver.poll(max(0.0, min(remaining, 0.5))):
                 try:
                     message = self._receiver.recv()
                 except (EOFError, OSError):  # the worker died without a result (killed, out of memory, segfault)
-                    self._process.join(5)
-                    self._end(f"the mode's process died (exit code {self._process.exitcode}) during {self.phase}"
-                              + _log_tail(self.spec.log_path))
+                    self._died()
                     return False
                 if message[0] == "progress":
                     self.phase, self.result = message[1], message[2]
@@ -123,40 +113,14 @@ class ProcessWorker:
                 self._end(f"TimeoutError: did not finish {doing} within {limit_s:.0f} s (during {self.phase})")
                 return False
 
+    def _died(self) -> None:
+        self._process.join(5)
+        self._end(f"the mode's process died (exit code {self._process.exitcode}) during {self.phase}"
+                  + _log_tail(self.spec.log_path))
+
     def _end(self, error: str) -> None:
         self.stop()
         self.result = dict(self.result, error=error)
-
-
-class LocalWorker:
-    """The same commands, run in this process without time limits (``--isolation none``: debugging; every mode's
-    model stays in this one process, so peak memory is not per mode, and inductor uses torch's usual cache)."""
-
-    def __init__(self, spec: worker.ModeSpec, on_phase=lambda phase: None):
-        self.spec = spec
-        self.result = worker.empty_result(spec)
-        self._on_phase = on_phase
-        self._session = None
-
-    def start(self) -> None:
-        self._session = worker.ModeSession(self.spec, lambda phase, figures: self._on_phase(phase))
-        self.result = self._session.result
-
-    def await_ready(self, timeout_s: float) -> bool:
-        return self._session.prepare()
-
-    def run_round(self, index: int, position: int, timeout_s: float, part: int | None = None) -> bool:
-        return self._session.run_round(index, position, part)
-
-    def finish(self, timeout_s: float) -> dict:
-        self.result = self._session.finish()
-        self._session = None  # let the model go
-        return self.result
-
-    def stop(self) -> None:
-        if self._session is not None:
-            self._session.finish()
-            self._session = None
 
 
 def _stop(process) -> None:

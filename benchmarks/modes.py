@@ -1,9 +1,6 @@
-"""The benchmark's modes: how each one batches the same documents, and whether it patches and compiles.
-
-Every mode sees the same documents and the same real-token budget per step. The stock padded modes are what
-users run with HF Trainer (``attention_mask``, labels -100 on pads, ``use_cache=False``); the packed modes get
-the HF flattening collator's batch (``DataCollatorWithFlattening(return_flash_attn_kwargs=True,
-return_seq_idx=True)``) or compilepack's fixed-shape ``PackedCollator``.
+"""The benchmark's modes: how each one batches the same documents (the same real-token budget per step), and
+whether it patches and compiles. The stock padded modes are what users run with HF Trainer; the packed modes get
+the HF flattening collator's batch or compilepack's fixed-shape ``PackedCollator``.
 """
 
 from __future__ import annotations
@@ -36,34 +33,30 @@ class Batch(NamedTuple):
         return sum(len(doc) for doc in self.docs)
 
     @property
-    def shaped_tokens(self) -> int:
-        """Tokens the model computes on (padding included)."""
+    def shaped_tokens(self) -> int:  # padding included
         return self.tensors["input_ids"].numel()
 
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
-    """The documents of a run: ``warmup_steps`` then ``steps`` timed rounds; each round of an arrival-order mode
-    is one step of at most ``tokens_per_step`` real tokens (round ``r``: the same documents for every such mode),
-    each round of the grouped mode is ``grouped_per_round`` steps of the length-sorted pool (long, middle and
-    short documents), the pool being ``group_pool`` arrival steps (more when the rounds need more)."""
+    """The documents of a run: ``warmup_steps`` then ``steps`` timed rounds; round ``r`` of an arrival-order mode
+    is the same step of at most ``tokens_per_step`` real tokens for every such mode, of the grouped mode
+    ``grouped_per_round`` steps of the length-sorted pool of ``group_pool`` arrival steps."""
 
     tokens_per_step: int = 8192
     steps: int = 3
     warmup_steps: int = 1
     group_pool: int = 50  # HF's LengthGroupedSampler sorts mega-batches of 50 batches
     grouped_per_round: int = 3  # grouped steps per round: long, middle and short documents all represented
-    # times a patched mode trains on its round's arrival step (None: grouped_per_round, to interleave with the
-    # grouped steps; 1 where nothing is interleaved, one mode at a time)
-    patched_repeats: int | None = None
     seed: int = 0
     mix: data.LengthMix = dataclasses.field(default_factory=data.LengthMix)
 
     @property
     def patched_steps_per_round(self) -> int:
-        """How many times a patched mode trains on its round's arrival step (``patched_repeats``, or as many times
-        as the grouped mode has steps in a round)."""
-        return self.grouped_per_round if self.patched_repeats is None else self.patched_repeats
+        """A patched mode trains on its round's arrival step as many times as the grouped mode has steps in a
+        round, so the driver interleaves the two step by step (one patched step against three grouped ones spreads
+        the paired ratios about twice as much)."""
+        return self.grouped_per_round
 
     def arrival_steps(self) -> tuple[list, list]:
         """(warm-up steps, timed steps), each a list of documents in arrival order; timed step ``r`` is round r."""
@@ -71,20 +64,16 @@ class Workload:
         return steps[: self.warmup_steps], steps[self.warmup_steps :]
 
     def grouped_rounds(self) -> list[list]:
-        """Each round's steps of the length-sorted pool (the timed arrival steps and the ones after them):
-        ``steps * grouped_per_round`` steps at evenly spaced positions from the longest documents to the
-        shortest, cut into ``grouped_per_round`` bands (long, middle, short) of ``steps`` positions and dealt out
-        like a snake draft: round ``r`` takes position ``r`` of the first band, ``steps - 1 - r`` of the second,
-        ``r`` of the third, ... So every round has a long, a middle and a short step, no two rounds share one,
-        and no round gets the longest of every band."""
+        """Each round's steps of the length-sorted pool: ``steps * grouped_per_round`` evenly spaced steps, cut
+        into bands (long, middle, short) and dealt out like a snake draft, so every round has a long, a middle and
+        a short step and no round gets the longest of every band."""
         count = self.steps * self.grouped_per_round
         positions = data.evenly_spaced(self._grouped_pool(), count)
         return [[positions[band * self.steps + (r if band % 2 == 0 else self.steps - 1 - r)]
                  for band in range(self.grouped_per_round)] for r in range(self.steps)]
 
     def grouped_warmup(self) -> list:
-        """The grouped mode's warm-up steps: the first ``warmup_steps`` of the length-sorted pool, its longest
-        documents, so the warm-up builds the largest batches the grouped rounds do."""
+        """The first ``warmup_steps`` of the length-sorted pool: the largest batches the grouped rounds build."""
         return self._grouped_pool()[: self.warmup_steps]
 
     def _grouped_pool(self) -> list:
@@ -104,79 +93,46 @@ class Workload:
 @dataclasses.dataclass(frozen=True)
 class Mode:
     name: str
-    layout: str  # how a step's documents become a batch: see ``_LAYOUTS``
+    layout: str  # how a step's documents become a batch: see ``_LAYOUT_TEXTS``
     patched: bool
     compile: str | None  # None: eager; "dynamic": torch.compile(dynamic=True); "static": plain torch.compile
 
     @property
     def description(self) -> str:
-        """The mode in words, from its fields: the model, the batches, and the compile as the worker applies it
-        (``fullgraph=True`` on patched models)."""
+        """The mode in words: the model, the batches, the compile as the worker applies it."""
         model = "compilepack.patch(model)" if self.patched else "stock model"
         options = ["fullgraph=True"] * self.patched + ["dynamic=True"] * (self.compile == DYNAMIC)
         compiled = "eager" if self.compile is EAGER else f"torch.compile({', '.join(options)})"
         return f"{model}, {_LAYOUT_TEXTS[self.layout]}, {compiled}"
 
     def batches(self, workload: Workload) -> tuple[list[Batch], list[list[Batch]]]:
-        """(warm-up batches, the timed batches of each round). A round is the round's arrival step (once, or
-        :meth:`arrival_repeats` times), or ``grouped_per_round`` batches for the grouped mode.
-
-        Modes warm up on a full step of their own layout (the warm-up arrival step; the grouped mode: the longest
-        step of its length-sorted pool): a compile sees a real shape, and the first timed round does not pay for a
-        first full-size step (after a 1k-token warm-up an eager mode's round 0 takes up to 1.26x its later rounds).
-        The exception is stock padded eager, which warms up on the first 1k tokens: its full step is the run's
-        costliest (3-11 s on 2 cores, 82% padding), and a full-size warm-up neither made its round 0 cheaper nor
-        the run shorter. Its round 0 therefore includes that first-step cost: the slowest of its 3 rounds, which
-        the median leaves out; it can only raise a paired ratio against it in round 0, never lower a bar's worst
-        round.
-        """
+        """(warm-up batches, the timed batches of each round). Modes warm up on a full step of their own layout, so a
+        compile sees a real shape; except stock padded eager, whose full step is the run's costliest (3-11 s on 2
+        cores): it warms up on 1k tokens, and the median leaves out its slower round 0."""
         warmup, timed = workload.arrival_steps()
         if self.layout in GROUPED_LAYOUTS:
             warmup, rounds = workload.grouped_warmup(), workload.grouped_rounds()
-        else:
-            rounds = [[step] * self.arrival_repeats(workload) for step in timed]
+        else:  # the patched modes repeat their step (Workload.patched_steps_per_round), the costlier stock ones not
+            rounds = [[step] * (workload.patched_steps_per_round if self.patched else 1) for step in timed]
         if self.layout == "padded" and self.compile is EAGER:
             warmup = [data.steps_by_token_budget(step, PADDED_EAGER_WARMUP_TOKENS)[0] for step in warmup]
-        layout = _LAYOUTS[self.layout]
-        return layout(warmup, workload), [layout(steps, workload) for steps in rounds]
+        collate = self._collate(workload)
+        return ([Batch(collate(step), step) for step in warmup],
+                [[Batch(collate(step), step) for step in steps] for steps in rounds])
 
-    def arrival_repeats(self, workload: Workload) -> int:
-        """How many times a round trains on its arrival step: the patched modes as many times as the grouped mode
-        has steps in a round, so that the driver interleaves the two step by step and a paired ratio compares
-        steps taken side by side in time (one patched step against three grouped ones spreads the ratios about
-        twice as much: ``rounds``), or ``workload.patched_repeats`` times when given; the stock padded and packed
-        modes, whose steps cost 3-20x more, once."""
-        return workload.patched_steps_per_round if self.patched else 1
-
-    def batches_of(self, step: list[list[int]], workload: Workload) -> tuple[list[Batch], list[list[Batch]]]:
-        """(warm-up batches, timed batches of each round) when every round trains on the same given documents
-        (the long-row sweep): the warm-up as in :meth:`batches`, then ``workload.steps`` rounds of ``step``,
-        batched the mode's way (the grouped layout pads the step's documents to their longest, as one batch)."""
-        warmup = [step]
-        layout = _LAYOUTS[self.layout]
-        return layout(warmup, workload), [layout([step], workload) for _ in range(workload.steps)]
+    def _collate(self, workload: Workload):
+        """How a step's documents become this mode's batch (see ``_LAYOUT_TEXTS``)."""
+        if self.layout in ("padded", "grouped"):
+            return data.padded_batch
+        if self.layout in ("padded64", "grouped64"):
+            return lambda step: data.padded_batch(step, multiple_of=64)
+        if self.layout == "hf_packed":
+            return data.hf_packed_batch
+        warmup, timed = workload.arrival_steps()  # "fixed": one shape that fits every step
+        collate = data.fixed_shape_collator(warmup + timed, workload.tokens_per_step)
+        return lambda step: collate([{"input_ids": doc} for doc in step])
 
 
-def _padded(steps, workload, multiple_of=1):
-    return [Batch(data.padded_batch(step, multiple_of), step) for step in steps]
-
-
-def _padded64(steps, workload):
-    return _padded(steps, workload, multiple_of=64)
-
-
-def _hf_packed(steps, workload):
-    return [Batch(data.hf_packed_batch(step), step) for step in steps]
-
-
-def _fixed(steps, workload):
-    warmup, timed = workload.arrival_steps()
-    collate = data.fixed_shape_collator(warmup + timed, workload.tokens_per_step)
-    return [Batch(collate([{"input_ids": doc} for doc in step]), step) for step in steps]
-
-
-_LAYOUTS = {"padded": _padded, "padded64": _padded64, "grouped": _padded, "grouped64": _padded64,
-            "hf_packed": _hf_packed, "fixed": _fixed}
 GROUPED_LAYOUTS = ("grouped", "grouped64")
 
 _LAYOUT_TEXTS = {
@@ -204,8 +160,7 @@ MODE_NAMES = tuple(mode.name for mode in MODES)
 PADDED_MODES = (STOCK_PADDED_EAGER, STOCK_PADDED_COMPILED, STOCK_GROUPED_EAGER, STOCK_GROUPED_COMPILED)
 
 # Stock torch.compile(dynamic=True) of these families fails in inductor on the bench models (torch 2.13.0,
-# transformers 5.24.0), after 40-85 s of compiling on 2 cores. The default run does not spend that time on
-# stock_grouped_compiled: the mode reports this error without running; --full and --modes run it.
+# transformers 5.24.0) after 40-85 s: the default run reports the error without running; --full and --modes run it.
 STOCK_INDUCTOR_FAILS = {
     "qwen3_next": "InductorError: TypeError: cannot determine truth value of Relational: 256*(((s27 + (Mod(64 - "
                   "(Mod(s27, 64)), 64)))//64))*... < 8",
@@ -213,10 +168,8 @@ STOCK_INDUCTOR_FAILS = {
     "bamba": "InductorError: TypeError: cannot determine truth value of Relational: 1 < s27",
 }
 
-# What the default run leaves out (``--full`` runs every mode), and why: the default is sized for ~10 minutes on 2
-# idle cores with 3 timed rounds per mode (a progress bar shows where it is). Its five cold compiles and its timed
-# steps alone keep both cores busy for ~7 minutes, so every further compile is a visible share of the budget
-# (docs/benchmarks.md, "What the default costs").
+# What the default run leaves out (``--full`` runs every mode), and why: sized for ~10 minutes on 2 idle cores, its
+# five cold compiles and timed steps keep both cores busy ~7 minutes (docs/benchmarks.md, "What the default costs").
 LEFT_OUT_BY_DEFAULT = {
     STOCK_PADDED_COMPILED: "a cold stock compile per family (25 s for Llama; on the hybrids inductor fails after "
                            "40-85 s with InductorError), so the default has no stock compile time to compare and "
@@ -225,9 +178,6 @@ LEFT_OUT_BY_DEFAULT = {
                             "the default already runs",
 }
 DEFAULT_MODES = tuple(name for name in MODE_NAMES if name not in LEFT_OUT_BY_DEFAULT)
-# --widths real: the two modes the grouped bar compares eagerly (a real-width CPU step is dense matmuls, which
-# compiling does not change, and a cold compile at those widths costs minutes)
-REAL_WIDTH_MODES = (STOCK_GROUPED_EAGER, PATCHED_PACKED_EAGER)
 
 
 def mode_named(name: str) -> Mode:

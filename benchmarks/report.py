@@ -6,13 +6,22 @@ import json
 import pathlib
 import statistics
 
-from .bars import EVERY_ROUND, paired_ratios, tokens_per_s
-from .markdown import cell, text_cell
+from .bars import paired_ratios, tokens_per_s
 from .modes import MODE_NAMES, PADDED_MODES
 
 RATIO_BASES = PADDED_MODES  # every mode is also shown as a multiple of each stock padded mode
 STATUS_RULE = ("Status: a bar decided in every round is met if every round's ratio reaches the target, missed if "
                "none does, not decided otherwise; a bar decided on the median is met or missed by the median alone.")
+
+
+def cell(value, spec: str) -> str:
+    """``value`` formatted with ``spec`` for a table cell, ``-`` when there is none."""
+    return "-" if value is None else spec.format(value)
+
+
+def text_cell(text: str, limit: int = 160) -> str:
+    """Free text (an error message) made safe for a table cell."""
+    return text.replace("|", "\\|")[:limit]
 
 
 def add_ratios(results: list[dict]) -> None:
@@ -29,43 +38,30 @@ def add_ratios(results: list[dict]) -> None:
             result["speedup_vs_range"][base] = [round(min(ratios), 2), round(max(ratios), 2)] if ratios else None
 
 
-def tokens_cell(r: dict) -> str:
-    """``median [min-max]`` tokens/s, or ``-``."""
-    if not r.get("tokens_per_s"):
-        return "-"
-    low, high = r.get("tokens_per_s_min"), r.get("tokens_per_s_max")
-    if low is None or high is None or low == high:
-        return f"{r['tokens_per_s']:.0f}"
-    return f"{r['tokens_per_s']:.0f} [{low:.0f}-{high:.0f}]"
-
-
-def ratio_cell(value, low=None, high=None) -> str:
-    """``median [min-max]`` of a ratio (``x`` suffix), or ``-``."""
+def range_cell(value, low, high, spec: str, suffix: str = "") -> str:
+    """``median [min-max]`` formatted with ``spec`` (the range left out where it is one value), or ``-``."""
     if value is None:
         return "-"
     if low is None or high is None or low == high:
-        return f"{value:.2f}x"
-    return f"{value:.2f}x [{low:.2f}-{high:.2f}]"
+        return f"{value:{spec}}{suffix}"
+    return f"{value:{spec}}{suffix} [{low:{spec}}-{high:{spec}}]"
+
+
+def tokens_cell(r: dict) -> str:
+    return range_cell(r.get("tokens_per_s") or None, r.get("tokens_per_s_min"), r.get("tokens_per_s_max"), ".0f")
 
 
 def _speedup_cell(r: dict, base: str) -> str:
-    low_high = (r.get("speedup_vs_range") or {}).get(base) or (None, None)
-    return ratio_cell((r.get("speedup_vs") or {}).get(base), *low_high)
+    low, high = (r.get("speedup_vs_range") or {}).get(base) or (None, None)
+    return range_cell((r.get("speedup_vs") or {}).get(base), low, high, ".2f", "x")
 
 
 def bar_value_cell(bar: dict) -> str:
-    if bar["value"] is None:
-        return "-"
-    if bar.get("min") is None or bar["min"] == bar["max"]:
-        return f"{bar['value']:.2f}"
-    return f"{bar['value']:.2f} [{bar['min']:.2f}-{bar['max']:.2f}]"
+    return range_cell(bar["value"], bar.get("min"), bar.get("max"), ".2f")
 
 
 def write_json(report: dict, path: pathlib.Path) -> None:
     path.write_text(json.dumps(report, indent=1) + "\n")
-
-
-# ------------------------------------------------------------------------------------------------ markdown
 
 
 def markdown(report: dict) -> str:
@@ -77,11 +73,12 @@ def markdown(report: dict) -> str:
          f"{report['threads']} threads on {report['cores']} cores; compile backend `{settings['compile_backend']}`; "
          f"{settings['config']} configs; {settings['tokens_per_step']} real tokens per step at most; "
          f"{settings['warmup_steps']} warm-up step + {settings['steps']} timed rounds per mode, round-robin across "
-         f"a family's warm workers (round r starts at mode r; warm-up {_warmup(settings)}"
-         f"{_interleaving(settings)}); "
-         f"inductor cache: {settings['inductor_cache']}{_float_setting(settings)}; "
-         f"allocator `{settings.get('allocator', 'system')}`; "
-         f"{settings.get('widths', 'bench')} widths; run wall time {report['wall_s']:.0f} s; "
+         f"a family's warm workers (round r starts at mode r; warm-up {settings['warmup']}, "
+         f"{settings['compile_lanes']} compiles at a time; rounds interleaved step by step, the patched modes "
+         f"training on their round's arrival step {settings['patched_steps_per_round']} times); "
+         f"inductor cache: {settings['inductor_cache']}; dynamo `specialize_float={settings['specialize_float']}` "
+         f"(stock and patched alike); allocator `{settings['allocator']}`; "
+         f"{settings['widths']} widths; run wall time {report['wall_s']:.0f} s; "
          f"1-minute load average during the timed steps {_load_range(report['results'])}."),
         "",
         _modes_line(settings),
@@ -101,17 +98,18 @@ def markdown(report: dict) -> str:
               "|---|---|--:|--:|---|---|---|"]
     lines += [_bar_row(b) for b in report["bars"]]
     lines += utilization_section(report)
-    lines += _profile_sections(report["results"])
     return "\n".join(lines) + "\n"
 
 
+# The table keeps the columns of the time split (one extra eager step timed by part), which went with the
+# real-width runs (docs/benchmarks.md, "Real widths"): a run's table reads as before, "-" in each.
 SPLIT_PARTS = ("mixers", "mlp", "lm_head", "loss", "optimizer", "other")
 
 
 def utilization_section(report: dict) -> list[str]:
     """Per mode: tokens/s, peak memory, model FLOPs per second and MFU against the matmul throughput measured in
-    the run, and the time split of one extra eager step (share of the step, seconds)."""
-    results = [r for r in report["results"] if r.get("mfu") is not None or r.get("time_split")]
+    the run."""
+    results = [r for r in report["results"] if r.get("mfu") is not None]
     if not results:
         return []
     matmul = report.get("matmul") or []
@@ -128,26 +126,9 @@ def utilization_section(report: dict) -> list[str]:
              "",
              "| family | mode | tokens/s | peak MB | model GFLOP/s | MFU | " + " | ".join(SPLIT_PARTS) + " | step s |",
              "|---|---|--:|--:|--:|--:|" + "--:|" * len(SPLIT_PARTS) + "--:|"]
-    for r in results:
-        split = r.get("time_split") or {}
-        total = split.get("total")
-        parts = [f"{split[k] / total:.0%} [{split[k]:.2f}]" if total else "-" for k in SPLIT_PARTS]
-        lines.append(f"| {r['family']} | {r['mode']} | {tokens_cell(r)} | {cell(r.get('peak_mem_mb'), '{:.0f}')} "
-                     f"| {cell(r.get('model_gflops_per_s'), '{:.1f}')} | {cell(r.get('mfu'), '{:.0%}')} | "
-                     + " | ".join(parts) + f" | {cell(total, '{:.2f}')} |")
-    return lines
-
-
-def _profile_sections(results: list[dict]) -> list[str]:
-    """Top ops (self CPU time) of each profiled mode: where the step's time goes."""
-    lines = []
-    for r in results:
-        if not r.get("profile_top"):
-            continue
-        lines += ["", f"### Profile: {r['family']} {r['mode']} (one extra step, torch.profiler, self CPU time)", "",
-                  "| op | self CPU ms | share | calls |", "|---|--:|--:|--:|"]
-        lines += [f"| `{e['op']}` | {e['self_cpu_ms']:.0f} | {e['share']:.0%} | {e['calls']} |" for e in r["profile_top"]]
-    return lines
+    return lines + [f"| {r['family']} | {r['mode']} | {tokens_cell(r)} | {cell(r.get('peak_mem_mb'), '{:.0f}')} "
+                    f"| {cell(r.get('model_gflops_per_s'), '{:.1f}')} | {cell(r.get('mfu'), '{:.0%}')} |"
+                    + " - |" * (len(SPLIT_PARTS) + 1) for r in results]
 
 
 def compile_cell(r: dict) -> str:
@@ -157,35 +138,14 @@ def compile_cell(r: dict) -> str:
     return text + (f" ({r['compile_cpu_s']:.1f})" if r.get("compile_cpu_s") is not None else "")
 
 
-def _warmup(settings: dict) -> str:
-    warmup = settings.get("warmup", "concurrent")
-    lanes = settings.get("compile_lanes")
-    return f"{warmup}, {lanes} compiles at a time" if warmup == "compiles-first" and lanes else warmup
-
-
-def _float_setting(settings: dict) -> str:
-    """How dynamo traced float attributes (a report without the setting used torch's default and says nothing)."""
-    if settings.get("specialize_float") is None:
-        return ""
-    return f"; dynamo `specialize_float={settings['specialize_float']}` (stock and patched alike)"
-
-
-def _interleaving(settings: dict) -> str:
-    """How a round's steps were taken (a report without the setting ran each mode's round whole and says nothing)."""
-    if settings.get("interleaved") != "step by step":
-        return ""
-    return (f"; rounds interleaved step by step, the patched modes training on their round's arrival step "
-            f"{settings['patched_steps_per_round']} times")
-
-
 def _load_range(results: list[dict]) -> str:
     loads = [step["load_avg"] for r in results for step in r.get("timed") or [] if step.get("load_avg") is not None]
     return f"{min(loads):.1f}-{max(loads):.1f}" if loads else "unknown"
 
 
 def _modes_line(settings: dict) -> str:
-    text = f"Modes ({settings.get('mode_set', 'custom')}): {', '.join(settings.get('modes', []))}."
-    left_out = settings.get("left_out") or {}
+    text = f"Modes ({settings['mode_set']}): {', '.join(settings['modes'])}."
+    left_out = settings["left_out"]
     if left_out:
         text += " Left out (`--full` runs them): " + "; ".join(f"`{m}`: {why}" for m, why in left_out.items()) + "."
     return text
@@ -196,7 +156,8 @@ def _workload_line(workload: dict) -> str:
         f"Documents: {workload['timed_docs']} in the timed steps, lengths {workload['length_mix']} "
         f"(median {workload['median_len']}, mean {workload['mean_len']:.0f}, max {workload['max_len']}); "
         f"real tokens per timed step {workload['real_tokens_per_step']}; arrival-order padded batches are "
-        f"{100 * workload['arrival_padding_frac']:.0f}% padding (padded/real {workload['arrival_padded_over_real']:.2f})."
+        f"{100 * workload['arrival_padding_frac']:.0f}% padding "
+        f"(padded/real {workload['arrival_padded_over_real']:.2f})."
     )
 
 
@@ -214,7 +175,7 @@ def _markdown_row(r: dict) -> str:
 def _bar_row(bar: dict) -> str:
     state = "**missed**" if bar["status"] == "missed" else bar["status"]
     return (f"| {bar['family']} | {bar['bar']} | {bar_value_cell(bar)} | {bar['target']} | {state} "
-            f"| {bar.get('rule', EVERY_ROUND)} | {text_cell(bar['detail'], 300)} |")
+            f"| {bar['rule']} | {text_cell(bar['detail'], 300)} |")
 
 
 def _graphs(r: dict) -> str:
@@ -229,9 +190,6 @@ def _diff(r: dict) -> str:
 
 def _issue(r: dict) -> str:
     return text_cell(r.get("error") or r.get("note") or "")
-
-
-# ------------------------------------------------------------------------------------------------ plot
 
 
 def plot(report: dict, path: pathlib.Path) -> None:
@@ -280,9 +238,6 @@ def plot(report: dict, path: pathlib.Path) -> None:
     plt.close(figure)
 
 
-# ------------------------------------------------------------------------------------------------ console
-
-
 def print_console(report: dict) -> None:
     from rich.console import Console
     from rich.markup import escape
@@ -303,9 +258,9 @@ def print_console(report: dict) -> None:
         state = {"met": "[green]met[/]", "missed": "[red]missed[/]", "not decided": "[yellow]not decided[/]",
                  "n/a": "[dim]n/a[/]"}[bar["status"]]
         console.print(f"{bar['family']:>11}  {state}  {escape(bar['bar'])}: {bar_value_cell(bar)} "
-                      f"(target {bar['target']}, {bar.get('rule', EVERY_ROUND)}) {escape(bar['detail'])}",
+                      f"(target {bar['target']}, {bar['rule']}) {escape(bar['detail'])}",
                       highlight=False)
-    left_out = report["settings"].get("left_out") or {}
+    left_out = report["settings"]["left_out"]
     if left_out:
         console.print(f"Left out of this run (--full runs them): {', '.join(left_out)}", highlight=False)
 

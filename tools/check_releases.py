@@ -10,9 +10,8 @@ ranges are read from pyproject.toml, nowhere else: ``transformers`` and ``torch`
     python tools/check_releases.py --oldest-admitted      # CI: the oldest admitted of all at once, in one venv
     python tools/check_releases.py --list                 # newest published / oldest and newest admitted, no run
 
-Each run prints one table row: release, admitted?, passed / failed, first failure. The family tests run for
-transformers and torch, the trainer tests (TRL, HF Trainer, PEFT) for trl, accelerate and peft. A venv is removed
-once its run ends (``--keep`` keeps it). Exit status 1 if an admitted release fails.
+Each run prints one table row (release, admitted?, passed / failed, first failure): the family tests for
+transformers and torch, the trainer tests for trl, accelerate and peft. Exit status 1 if an admitted release fails.
 """
 
 from __future__ import annotations
@@ -71,10 +70,9 @@ def admitted_bounds(package: str, wanted: dict[str, Requirement]) -> tuple[Versi
 
 def run_in_venv(pins: dict[str, str], tests: list[str], venv: Path, pytest_args: list[str],
                 step: str = "both") -> tuple[str, str]:
-    """A fresh venv with ``pins`` (package -> version) and every other requirement as pyproject states it; the
-    project without its own dependency resolution (so a release pyproject does not admit can be tried); then the
-    tests. Returns (passed / failed counts, first failure). ``step``: ``"install"`` stops after the venv is built,
-    ``"test"`` runs the tests in a venv an earlier ``"install"`` built (CI installs while other stages test)."""
+    """A fresh venv with ``pins`` (package -> version), every other requirement as pyproject states it and the
+    project (``--no-deps``: a release pyproject does not admit can be tried); then the tests. Returns (passed /
+    failed counts, first failure). ``step``: ``"install"`` only builds the venv, ``"test"`` tests in a built one."""
     env = {**os.environ, "PIP_NO_CACHE_DIR": "1"}
     if step != "test":
         installed = _install(pins, venv, env)
@@ -83,7 +81,8 @@ def run_in_venv(pins: dict[str, str], tests: list[str], venv: Path, pytest_args:
     python = str(venv / "bin" / "python")
     # --show-capture=no: a failure's captured logs (dynamo's DEBUG lines) would bury its assertion
     done = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", "--tb=short",
-                           "--show-capture=no", *tests, *pytest_args], cwd=ROOT, env=env, capture_output=True, text=True)
+                           "--show-capture=no", *tests, *pytest_args], cwd=ROOT, env=env, capture_output=True,
+                          text=True)
     print(done.stdout[-6000:], file=sys.stderr)
     return summarize(done.stdout)
 
@@ -103,7 +102,7 @@ def _install(pins: dict[str, str], venv: Path, env: dict) -> tuple[str, str] | N
     pip = [python, "-m", "pip", "install", "--quiet"]
     install = subprocess.run(pip + specs, env=env, capture_output=True, text=True)
     if install.returncode != 0:
-        return "not installed", _last_line(install.stderr)
+        return "not installed", ([line for line in install.stderr.splitlines() if line.strip()] or [""])[-1][:160]
     subprocess.run(pip + ["--no-deps", "-e", str(ROOT)], env=env, check=True)
     return None
 
@@ -115,11 +114,6 @@ def summarize(output: str) -> tuple[str, str]:
     failures = [line[len("FAILED "):] for line in output.splitlines() if line.startswith(("FAILED ", "ERROR "))]
     result = f"{counts.get('passed', 0)} passed / {counts.get('failed', 0) + counts.get('error', 0)} failed"
     return result, (failures[0][:160] if failures else "")
-
-
-def _last_line(text: str) -> str:
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    return lines[-1][:160] if lines else ""
 
 
 def table(rows: list[tuple[str, str, str, str]]) -> str:
