@@ -1,5 +1,5 @@
-"""``python -m benchmarks [train|gpu-check] [options]``: the training-step benchmark (``train``, the default
-command), or the kernel paths on a GPU (``gpu-check``)."""
+"""``python -m benchmarks [train] [options]``: the training-step benchmark (``train``, the default command). The
+kernel paths on a GPU are checked by ``python -m tools.gpu_check`` (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import sys
 # command -> (module, what it does); each module has main(argv) -> exit code
 COMMANDS = {
     "train": ("benchmarks.train", "training steps, stock vs patched (the default command)"),
-    "gpu-check": ("benchmarks.gpu_check", "the kernel paths on a GPU, one JSON"),
 }
 
 

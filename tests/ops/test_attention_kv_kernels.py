@@ -7,7 +7,7 @@ fakes compute with compilepack's reference, so what is tested is the wiring: the
 equal the reference path's exactly on a rank's slice (a document started on an earlier rank, one that starts
 inside the slice, an empty one, two rows). Control: a fake that attends the slice's own keys only (the query
 boundaries for the keys too, as the single-device path passes them) misses by far. The real kernels run in
-benchmarks/gpu_check.py."""
+tools/gpu_check."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ On CPU a sync cannot be observed, so the boundary tensors are stand-ins for devi
 (``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``, ``bool()``) raises. The host copy
 (``cu_seqlens_cpu``) is a plain CPU tensor, as the collator hands it over. Each op runs forward and backward on its
 reference path and on each kernel path (through the recording fakes of tests/ops/fakes). On a GPU the check is
-``torch.cuda.set_sync_debug_mode("error")`` around a compiled training step (benchmarks/gpu_check.py).
+``torch.cuda.set_sync_debug_mode("error")`` around a compiled training step (tools/gpu_check).
 """
 
 from __future__ import annotations

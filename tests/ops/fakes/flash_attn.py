@@ -3,7 +3,7 @@ compilepack's ``flash_attn`` path calls, with flash-attn's parameter names and d
 argument fails here with a TypeError), each call recorded.
 
 Results come from compilepack's reference path, with flash-attn's float32 ``[H, T]`` log-sum-exp, so the path's
-wiring is tested, not flash-attn's numerics (``benchmarks/gpu_check.py`` runs the real kernels).
+wiring is tested, not flash-attn's numerics (``python -m tools.gpu_check`` runs the real kernels).
 
 The forward reproduces ``mha_varlen_fwd``'s one-token-per-sequence shortcut (``csrc/flash_attn/flash_api.cpp``,
 2.7.0 to 2.8.3; torch's copy has it too): at ``max_seqlen_q == 1`` it drops ``is_causal``, and without a window and
