@@ -6,13 +6,17 @@ from . import peft  # registers the guard of the input embeddings' requires_grad
 from . import trl  # registers the routing of TRL's fused LM head with patch()
 from ..batch import add_boundaries, to_device, with_boundaries
 from .context_parallel_trainer import Balance, ContextParallelTrainerMixin, attention_length_of, context_parallel
+from .packed_logprobs import PackedLogProbsMixin, boundary_kwargs, packed_logprobs
 
 __all__ = [
     "Balance",
     "ContextParallelTrainerMixin",
+    "PackedLogProbsMixin",
     "add_boundaries",
     "attention_length_of",
+    "boundary_kwargs",
     "context_parallel",
+    "packed_logprobs",
     "to_device",
     "with_boundaries",
 ]
