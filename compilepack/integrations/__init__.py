@@ -6,7 +6,7 @@ from . import peft  # registers the guard of the input embeddings' requires_grad
 from . import trl  # registers the routing of TRL's fused LM head with patch()
 from ..batch import add_boundaries, to_device, with_boundaries
 from .context_parallel_trainer import Balance, ContextParallelTrainerMixin, attention_length_of, context_parallel
-from .packed_logprobs import PackedLogProbsMixin, boundary_kwargs, packed_logprobs
+from .rl_trainers import PackedLogProbsMixin, boundary_kwargs, packed_logprobs
 
 __all__ = [
     "Balance",
