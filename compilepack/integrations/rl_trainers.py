@@ -237,7 +237,12 @@ class PackedModelCall:
     def __init__(self, model):
         self.model = model
 
-    def __call__(self, *, input_ids, attention_mask, labels, fused_lm_head=False, **rest):
+    def __call__(self, *, input_ids, labels, attention_mask=None, fused_lm_head=False, **rest):
+        if attention_mask is None:
+            raise CompilepackError(
+                f"packed_logprobs: a log-prob call without an attention_mask ({sorted(rest)} besides input_ids and "
+                "labels): a batch the trainer's collator packed already (padding_free) is not packed again; turn "
+                "the trainer's padding_free off and let packed_logprobs pack.")
         unknown = sorted(set(rest) - set(PASSED_THROUGH))
         if unknown or not fused_lm_head:
             raise CompilepackError(

@@ -21,8 +21,8 @@ from compilepack.integrations import packed_logprobs
 from compilepack.patching import family_named
 from tests.families import build_tiny
 from tests.integrations.common import TRAINING_ARGS, dynamo_counts, recording
-from tests.integrations.test_lora_recipes import FULLGRAPH_DYNAMIC
 from tests.integrations.test_dpo import LORA
+from tests.integrations.test_lora_recipes import FULLGRAPH_DYNAMIC
 from tests.integrations.test_rl_adapters import without_boundaries
 from tests.integrations.test_trl import word_tokenizer
 

@@ -21,7 +21,7 @@ from compilepack.patching import family_named
 from tests.families import build_tiny
 
 pytest.importorskip("trl")
-from trl.trainer.utils import add_fused_lm_head  # noqa: E402
+from trl.trainer.utils import add_fused_lm_head
 
 # one family per mixer kind; the README's command runs llama and qwen3_5 (about 20 s), the slow stage all four
 FAMILIES = ["llama", "qwen3_5", pytest.param("qwen3_next", marks=pytest.mark.slow),
@@ -65,7 +65,7 @@ def grpo_batch(vocab_size: int):
     labels[:, :-width_c] = -100
     sequences = [p + c for p, c in zip(prompts, completions)]
     scored = [(width_p - 1, len(c)) for c in completions]  # (first column of the completion's scores, how many)
-    return dict(input_ids=ids, attention_mask=mask, labels=labels), sequences, scored
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}, sequences, scored
 
 
 def dpo_batch(vocab_size: int):
@@ -79,7 +79,8 @@ def dpo_batch(vocab_size: int):
     completion = torch.tensor([[0] * len(p) + [1] * len(c) + [0] * (width - len(p) - len(c))
                                for p, c in zip(prompts * 2, completions)])
     scored = [(len(p) - 1, len(c)) for p, c in zip(prompts * 2, completions)]
-    return dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(completion == 0, -100)), sequences, scored
+    labels = ids.masked_fill(completion == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}, sequences, scored
 
 
 def alone(stock, sequence: list[int]) -> torch.Tensor:
@@ -162,15 +163,18 @@ def test_multimodal_inputs_and_an_unpatched_model_are_refused(models):
     batch, _, _ = dpo_batch(64)
     with pytest.raises(CompilepackError, match=r"passed \['pixel_values'\]"):
         PackedModelCall(model)(**batch, fused_lm_head=True, pixel_values=torch.zeros(1))
+    with pytest.raises(CompilepackError, match=r"without an attention_mask \(\['position_ids'\]"):
+        PackedModelCall(model)(input_ids=batch["input_ids"], labels=batch["labels"], fused_lm_head=True,
+                               position_ids=torch.arange(batch["input_ids"].shape[1])[None])
     with pytest.raises(CompilepackError, match="not compilepack-patched"):
         PackedModelCall(stock)(**batch, fused_lm_head=True)
 
 
 def test_trainers_without_a_seam_and_context_parallel_are_refused():
     from transformers import Trainer
+    from trl import GRPOTrainer
 
     from compilepack.integrations import context_parallel, packed_logprobs
-    from trl import GRPOTrainer
 
     with pytest.raises(CompilepackError, match="Trainer has neither"):
         packed_logprobs(Trainer)
