@@ -110,9 +110,9 @@ def test_packed_grpo_losses_equal_trls_padded_trainer(family_name, lora, tmp_pat
     assert worst_loss_difference(mixed, padded) > MIXED, (mixed.recorded_losses, padded.recorded_losses)
 
 
-# Graphs of a compiled packed GRPO run (llama, 4 steps), measured: 3, no break. Which pass each belongs to is not
-# analysed yet (issue 51's note).
-GRPO_GRAPHS = {False: 3, True: 3}
+# Graphs of a compiled packed GRPO run (llama, 4 steps), measured: 3 (full), 2 (LoRA), no break. Which pass each
+# belongs to is not analysed yet (issue 51's note).
+GRPO_GRAPHS = {False: 3, True: 2}
 
 
 @pytest.mark.slow
