@@ -27,9 +27,9 @@ from tests.integrations.test_rl_adapters import without_boundaries
 from tests.integrations.test_trl import word_tokenizer
 
 FAMILIES = ["llama", "qwen3_5", "qwen3_next", "bamba"]
-# fp32 DPO losses (~0.69), packed vs TRL's padded trainer, every step; measured in the note of issue 51
+# fp32 DPO losses (~0.69), packed vs TRL's padded trainer, every step
 LOSS_TOLERANCE = 1e-5
-# the same with the boundaries dropped: measured well above it on every family
+# the same with the boundaries dropped must miss by more than this
 MIXED = 1e-3
 STEPS = 3
 # the attention and mixer projections of each family (Qwen3-Next: its Gated DeltaNet's fused projections)

@@ -33,9 +33,9 @@ from tests.integrations.test_trl import word_tokenizer
 QWEN3_5_OPEN = pytest.mark.xfail(raises=ValueError, strict=True, reason="GRPOTrainer + Qwen3.5: GDN forward unpatched "
                                   "at the old policy's pass (issue 51)")
 FAMILIES = ["llama", pytest.param("qwen3_5", marks=QWEN3_5_OPEN), "qwen3_next", "bamba"]
-# fp32 GRPO losses, packed vs TRL's padded trainer, every step; measured in the note of issue 51
+# fp32 GRPO losses, packed vs TRL's padded trainer, every step
 LOSS_TOLERANCE = 1e-5
-MIXED = 1e-3  # the boundaries dropped: measured well above it on every family
+MIXED = 1e-3  # the boundaries dropped must miss by more than this
 STEPS = 4
 PROMPT_LENGTHS = [3, 17, 6, 40, 1, 9, 25, 12]
 MAX_COMPLETION = 16
