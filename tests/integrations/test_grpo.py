@@ -26,15 +26,9 @@ from tests.integrations.test_lora_recipes import FULLGRAPH_DYNAMIC
 from tests.integrations.test_rl_adapters import without_boundaries
 from tests.integrations.test_trl import word_tokenizer
 
-# Qwen3.5 loaded by TRL (from_pretrained): transformers 5.25 sets use_kernels=True on a model it loads while the
-# `kernels` package is installed, and model.train() (Trainer's training_step) then kernelizes again for the new mode,
-# which drops compilepack's forwards from the Gated DeltaNet layers (a PatchedForward before train(), none after:
-# measured). The old policy's pass then runs transformers' own mixer, whose conv refuses the boundaries on CPU. A
-# patching bug outside this integration (issue 51's note); the packed passes are exact on Qwen3.5 otherwise
-# (test_rl_adapters.py, test_dpo.py with models built from their configs).
-QWEN3_5_OPEN = pytest.mark.xfail(raises=ValueError, strict=True, reason="transformers' kernelize on model.train() "
-                                  "drops compilepack's Gated DeltaNet forwards (issue 51)")
-FAMILIES = ["llama", pytest.param("qwen3_5", marks=QWEN3_5_OPEN), "qwen3_next", "bamba"]
+# Qwen3.5 is the case of a model TRL loads with Hub kernels (rl_trainers._no_kernelize_on_mode_change): before it,
+# model.train() dropped compilepack's Gated DeltaNet forwards and these tests failed on Qwen3.5 (issue 51's note).
+FAMILIES = ["llama", "qwen3_5", "qwen3_next", "bamba"]
 # fp32 GRPO losses, packed vs TRL's padded trainer, every step
 LOSS_TOLERANCE = 1e-5
 MIXED = 1e-3  # the boundaries dropped must miss by more than this
