@@ -1,0 +1,137 @@
+"""TRL's DPOTrainer with packed log-prob passes (issue 51): ``packed_logprobs(DPOTrainer)`` trains with the losses of
+TRL's own padded DPOTrainer (whose right padding is exact: the padding is masked and comes after every token), on
+the same pairs and seeds, full fine-tuning and LoRA (the reference: the adapter-disabled policy), eager and
+compiled to one graph. The control: the boundaries dropped, the losses miss by far.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+pytest.importorskip("peft")
+from peft import LoraConfig
+from trl import DPOConfig, DPOTrainer
+
+from compilepack.integrations import packed_logprobs
+from compilepack.integrations import rl_trainers as packing
+from compilepack.patching import family_named
+from tests.families import build_tiny
+from tests.integrations.common import TRAINING_ARGS, dynamo_counts, recording
+from tests.integrations.test_lora_recipes import FULLGRAPH_DYNAMIC
+from tests.integrations.test_peft import ATTENTION, LORA_TARGETS
+from tests.integrations.test_rl_adapters import without_boundaries
+from tests.integrations.test_trl import word_tokenizer
+
+FAMILIES = ["llama", "qwen3_5", "qwen3_next", "bamba"]
+# fp32 DPO losses (~0.69), packed vs TRL's padded trainer, every step
+LOSS_TOLERANCE = 1e-5
+# the same with the boundaries dropped must miss by more than this
+MIXED = 1e-3
+STEPS = 3
+# the attention and mixer projections of each family (Qwen3-Next: its Gated DeltaNet's fused projections)
+LORA = {**LORA_TARGETS, "qwen3_next": [*ATTENTION, "in_proj_qkvz", "in_proj_ba", "out_proj"]}
+# prompt, chosen and rejected lengths in tokens (the completions end with the EOS token, counted): 1-token
+# completions, long and short ones, so that every batch pads
+PAIRS = [(5, 9, 1), (20, 1, 33), (3, 47, 6), (12, 4, 4), (30, 2, 19), (7, 60, 12), (9, 6, 26), (2, 15, 3), (40, 8, 1)]
+
+
+def pairs(vocab_size: int, seed: int = 0):
+    """A preference dataset of word-tokenizer strings (``t<id>``), completions ending with the EOS ``t2``."""
+    from datasets import Dataset
+
+    generator = torch.Generator().manual_seed(seed)
+
+    def words(n):
+        return " ".join(f"t{i}" for i in torch.randint(3, vocab_size, (n,), generator=generator).tolist())
+
+    rows = [{"prompt": words(p), "chosen": (" " + words(c - 1) + " t2").replace("  ", " "),
+             "rejected": (" " + words(r - 1) + " t2").replace("  ", " ")} for p, c, r in PAIRS]
+    return Dataset.from_list(rows)
+
+
+def dpo_trainer(trainer_class, family_name, tmp_path, *, lora=False, compile_=False):
+    """DPO on a tiny model, 3 steps of 3 pairs, fp32; the reference: another initialisation (full fine-tuning), the
+    adapter-disabled policy (LoRA, adapters initialised non-zero so that the two differ from the first step)."""
+    torch.manual_seed(0)
+    model = build_tiny(family_named(family_name))
+    torch.manual_seed(1)
+    ref_model = None if lora else build_tiny(family_named(family_name))
+    settings = {**TRAINING_ARGS, "max_steps": STEPS, "per_device_train_batch_size": 3, "torch_compile": compile_}
+    if not compile_:
+        settings["torch_compile_backend"] = None  # a backend alone turns torch_compile back on
+    args = DPOConfig(output_dir=str(tmp_path), bf16=False, max_length=None, **settings)
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=LORA[family_name], init_lora_weights=False)
+    trainer = recording(trainer_class)(
+        model=model, ref_model=ref_model, args=args, train_dataset=pairs(model.config.vocab_size),
+        processing_class=word_tokenizer(model.config.vocab_size), peft_config=peft_config if lora else None)
+    trainer.train()
+    assert len(trainer.recorded_losses) == STEPS
+    return trainer
+
+
+def worst_loss_difference(trainer, other) -> float:
+    return max(abs(a - b) for a, b in zip(trainer.recorded_losses, other.recorded_losses))
+
+
+@pytest.mark.slow  # 13-190 s a case on 2 shared cores (measured under load; qwen3_next the longest)
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("family_name", FAMILIES)
+def test_packed_dpo_losses_equal_trls_padded_trainer(family_name, lora, tmp_path, monkeypatch):
+    padded = dpo_trainer(DPOTrainer, family_name, tmp_path, lora=lora)
+    packed = dpo_trainer(packed_logprobs(DPOTrainer), family_name, tmp_path, lora=lora)
+    assert padded.recorded_batches[0]["attention_mask"].eq(0).any()  # the batches do pad
+    assert worst_loss_difference(packed, padded) <= LOSS_TOLERANCE, (packed.recorded_losses, padded.recorded_losses)
+
+    without_boundaries(monkeypatch)
+    mixed = dpo_trainer(packed_logprobs(DPOTrainer), family_name, tmp_path, lora=lora)
+    assert worst_loss_difference(mixed, padded) > MIXED, (mixed.recorded_losses, padded.recorded_losses)
+
+
+# Graphs of a compiled packed DPO run, 3 steps, measured: LoRA 3, full fine-tuning 4 (its reference model is
+# compiled by accelerate too); never a break. Which pass each graph belongs to is not analysed yet (issue 51's note).
+DPO_GRAPHS = {True: 3, False: 4}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_packed_dpo_compiled_no_break(lora, tmp_path, monkeypatch):
+    """torch_compile=True (accelerate's fullgraph + dynamic variables): no graph break over 3 batches of varying
+    lengths, the graph count as measured, and the losses those of the eager packed trainer."""
+    eager = dpo_trainer(packed_logprobs(DPOTrainer), "llama", tmp_path, lora=lora)
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    for key, value in FULLGRAPH_DYNAMIC.items():
+        monkeypatch.setenv(key, value)
+    compiled = dpo_trainer(packed_logprobs(DPOTrainer), "llama", tmp_path, lora=lora, compile_=True)
+    assert dynamo_counts() == (DPO_GRAPHS[lora], 0)
+    assert worst_loss_difference(compiled, eager) <= LOSS_TOLERANCE
+
+
+def test_refused_options_name_themselves(tmp_path):
+    from peft import PromptTuningConfig
+
+    model = build_tiny(family_named("llama"))
+    args = DPOConfig(output_dir=str(tmp_path), bf16=False, report_to=[], use_cpu=True, max_steps=1)
+    with pytest.raises(Exception, match="PromptTuningConfig prepends virtual tokens"):
+        packed_logprobs(DPOTrainer)(
+            model=model, args=args, train_dataset=pairs(model.config.vocab_size),
+            processing_class=word_tokenizer(model.config.vocab_size),
+            peft_config=PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4))
+
+
+def test_the_factory_keeps_the_trainer_and_patches_both_models(tmp_path):
+    import compilepack
+
+    model, ref_model = build_tiny(family_named("llama")), build_tiny(family_named("llama"))
+    args = DPOConfig(output_dir=str(tmp_path), bf16=False, report_to=[], use_cpu=True, max_steps=1)
+    trainer = packed_logprobs(DPOTrainer)(model=model, ref_model=copy.deepcopy(ref_model), args=args,
+                                          train_dataset=pairs(model.config.vocab_size),
+                                          processing_class=word_tokenizer(model.config.vocab_size))
+    assert isinstance(trainer, DPOTrainer) and type(trainer).__name__ == "PackedDPOTrainer"
+    assert compilepack.is_patched(trainer.model) and compilepack.is_patched(trainer.ref_model)
+    assert packing.PackedLogProbsMixin in type(trainer).__mro__
