@@ -15,7 +15,7 @@ from compilepack.patching import Family, families, family_named
 
 
 def has_config(family: Family, widths: str) -> bool:
-    return widths == "bench" or family.checkpoint is not None
+    return widths == "bench" or family.fixtures.checkpoint is not None
 
 
 def bench_config(family_name: str, widths: str = "bench") -> transformers.PretrainedConfig:
@@ -24,11 +24,11 @@ def bench_config(family_name: str, widths: str = "bench") -> transformers.Pretra
     family = family_named(family_name)
     if widths == "bench":
         return family.bench_config()
-    if family.checkpoint is None:
-        have = ", ".join(f.name for f in families() if f.checkpoint is not None)
+    if family.fixtures.checkpoint is None:
+        have = ", ".join(f.name for f in families() if f.fixtures.checkpoint is not None)
         raise KeyError(f"no real-width config for family {family_name!r} (families with one: {have}); declare "
                        f"its Family.checkpoint in patches/{family_name}.py.")
-    return family.checkpoint.config()
+    return family.fixtures.checkpoint.config()
 
 
 def build_bench_model(family_name: str) -> torch.nn.Module:

@@ -18,7 +18,7 @@ import traceback
 
 import torch
 
-from compilepack.patching.family import function_behind
+from compilepack.patching.builder import function_behind
 
 from . import measure, split
 from .modes import DYNAMIC, EAGER, STOCK_GROUPED_COMPILED, STOCK_PACKED, Batch, Workload, mode_named

@@ -30,11 +30,12 @@ def test_every_family_declares_its_test_models_bench_model_and_docs_row():
     table = (ROOT / "docs" / "models.md").read_text()
     rows = {line.split("|")[1].strip().strip("`") for line in table.splitlines() if line.startswith("| `")}
     for family in compilepack.families():
-        assert family.tiny and family.bench is not None and family.docs is not None, family.name
-        assert family.docs.stock_packed and family.kernels, family.name
+        fixtures = family.fixtures
+        assert fixtures.tiny and fixtures.bench is not None and fixtures.docs is not None, family.name
+        assert fixtures.docs.stock_packed and family.kernels, family.name
         assert family.name in rows, f"docs/models.md has no row for {family.name}"
     headline = {"llama", "qwen3_next", "qwen3_5", "bamba"}
-    assert headline <= {family.name for family in compilepack.families() if family.checkpoint is not None}
+    assert headline <= {family.name for family in compilepack.families() if family.fixtures.checkpoint is not None}
 
 
 def test_a_family_is_named_in_one_file_of_the_package():
@@ -62,7 +63,7 @@ def test_the_library_never_imports_the_benchmark():
 LAYERS = ("errors", "batch", "distributed", "ops", "patching", "patches", "integrations", "testing",
           "__init__", "cli", "__main__")
 # the registry imports the family files it discovers (a plugin folder, loaded on first use), the one import upward
-DISCOVERS = {("compilepack/patching/family.py", "compilepack.patches")}
+DISCOVERS = {("compilepack/patching/registry.py", "compilepack.patches")}
 
 
 def _layer_of(module: str) -> str:

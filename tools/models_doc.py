@@ -381,7 +381,7 @@ def _releases() -> str:
 
 
 def _notes() -> str:
-    return "\n".join(f"- `{f.name}`: {f.docs.stock_packed}" for f in compilepack.families()) + "\n"
+    return "\n".join(f"- `{f.name}`: {f.fixtures.docs.stock_packed}" for f in compilepack.families()) + "\n"
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ class Replacement:
     runs_sharded: bool = False
     # stock module functions that newer releases put between a layer's forward and this global (transformers 5.25:
     # the layer calls ``causal_conv1d_forward(conv1d, x, cache, ...)``, which calls ``causal_conv1d_fn``): a layer
-    # whose forward loads one of them instead of ``global_name`` gets a copy of that function rebound (family.py)
+    # whose forward loads one of them instead of ``global_name`` gets a copy of that function rebound (builder.py)
     via: tuple[str, ...] = ()
     # a fused kernel a release may drop (transformers 5.25's FalconMamba has no ``mamba_inner_fn`` path): a forward
     # that no longer loads it has nothing to replace

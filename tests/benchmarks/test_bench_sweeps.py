@@ -40,7 +40,7 @@ def test_real_width_configs_are_their_checkpoints_widths_at_one_layer_of_each_ki
         "llama": (2048, 128256, 1, 323), "qwen3_next": (2048, 151936, 2, 746),
         "qwen3_5": (1024, 248320, 2, 294), "bamba": (4096, 128256, 2, 1547),
     }
-    declared = [family.name for family in compilepack.families() if family.checkpoint is not None]
+    declared = [family.name for family in compilepack.families() if family.fixtures.checkpoint is not None]
     assert sorted(declared) == sorted(expected) == sorted(resolve_families("all", "real"))
     for family, (hidden, vocab, layers, params_m) in expected.items():
         config = bench_config(family, "real")
