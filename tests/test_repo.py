@@ -119,6 +119,27 @@ def test_the_package_top_level_holds_only_its_face():
     assert loose == ["__init__.py", "__main__.py", "errors.py"]
 
 
+def _readme_code_map() -> list[str]:
+    """The paths of the README's "Map of the code", in order."""
+    section = (ROOT / "README.md").read_text().split("## Map of the code\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^- `([^`]+)`:", section, re.M)
+
+
+def _design_code_map() -> list[str]:
+    """The paths of docs/design.md's map (the first code block under "The layers of the code"), in order."""
+    section = (ROOT / "docs" / "design.md").read_text().split("## The layers of the code\n", 1)[1]
+    block = section.split("```\n", 2)[1]
+    return [line.split()[0] for line in block.splitlines() if line and not line[0].isspace()]
+
+
+def test_the_design_code_map_matches_the_readme_map():
+    """docs/design.md's map (by layer, with detail) and the README's name the same paths, each of which exists."""
+    readme, design = _readme_code_map(), _design_code_map()
+    assert len(readme) >= 10 and len(set(readme)) == len(readme), readme
+    assert sorted(design) == sorted(readme), (set(design) ^ set(readme))
+    assert [path for path in readme if not (ROOT / path).exists()] == []
+
+
 def test_every_patch_module_registers_a_family():
     modules = {p.stem for p in (ROOT / "patches").glob("*.py") if not p.stem.startswith("_")}
     registered = {f.modeling.rsplit(".", 1)[-1].removeprefix("modeling_") for f in compilepack.families()}
