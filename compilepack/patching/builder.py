@@ -58,12 +58,14 @@ def _patched_forwards(family: Family, backends: Backends, classes: tuple) -> dic
         plan.setdefault(by_name[class_name], ())
     threaded = {cls: _threaded_calls(family, stock, cls, vias.get(cls, set()), dropped.get(cls, set())) for cls in plan}
     everything = {r.global_name: r for needed in plan.values() for r in needed}
-    renames = install(stock, _key(backends), {name: _build(family, stock, r, backends) for name, r in everything.items()})
+    built = {name: _build(family, stock, r, backends) for name, r in everything.items()}
+    renames = install(stock, _key(backends), built)
     helpers = set().union(*vias.values())
     renames |= install(stock, _key(backends), {name: _rebound_helper(family, stock, name, renames) for name in helpers})
     forwards = {}
     for cls, needed in plan.items():
-        own = {r.global_name: renames[r.global_name] for r in needed} | {name: renames[name] for name in vias.get(cls, ())}
+        own = {r.global_name: renames[r.global_name] for r in needed}
+        own |= {name: renames[name] for name in vias.get(cls, ())}
         try:
             forwards[cls] = with_globals(cls.forward, own, threaded[cls])
         except IncompatibleTransformersError as error:  # say which family's declaration or release is at fault

@@ -101,7 +101,8 @@ class Family:
     """One patchable model family: what runs (every attribute but the last), and what describes it (``fixtures``).
 
     Attributes:
-        name: the registry key, the transformers ``model_type`` (``"my_model"``; the family file is ``patches/my_model.py``).
+        name: the registry key, the transformers ``model_type`` (``"my_model"``; the family file is
+            ``patches/my_model.py``).
         modeling: the transformers modeling module (``"transformers.models.llama.modeling_llama"``).
         decoder: class whose forward receives the batch and builds masks (``"LlamaModel"``).
         layers: layer class name -> the :class:`~compilepack.patching.replacements.Replacement` s its forward

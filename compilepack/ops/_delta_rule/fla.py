@@ -75,10 +75,11 @@ def document_states(row_states: Tensor, documents: Tensor, count: int) -> Tensor
 
 
 def state_path(forward, fake, backward) -> Path:
-    """A delta rule's ``*_varlen_state`` path on fla from its stateless glue, returning ``(o, final_state, saved)``:
-    ``forward(*inputs, initial_state)`` -> ``(o, final per document, saved)``; ``fake(*inputs)`` -> ``(o, saved)``; ``backward(do, saved, q, k, v,
-    beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale, initial_state, d_final)`` -> ``(dq, dk, dv, dg, dbeta,
-    d_initial)``, states one per document. fla's own backward gives the initial states' gradient."""
+    """A delta rule's ``*_varlen_state`` path on fla from its glue, returning ``(o, final_state, saved)``:
+    ``forward(*inputs, initial_state)`` -> ``(o, final per document, saved)``; ``fake(*inputs)`` -> ``(o, saved)``;
+    ``backward(do, saved, q, k, v, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale, initial_state, d_final)``
+    -> ``(dq, dk, dv, dg, dbeta, d_initial)``, states one per document. fla's own backward gives the initial states'
+    gradient."""
 
     def state_forward(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, initial_state, use_qk_l2norm, scale):
         first, last = row_documents(cu_seqlens, *q.shape[:2])
