@@ -17,7 +17,7 @@ it runs stock's code. Completion lengths spread as RL's do (log-uniform from 4 t
 Rounds are paired: each round times one step of each mode, in alternating order, on the same batch; the table gives
 the median step time of each mode, the median of the per-round ratios padded / packed, and each mode's peak memory
 of one step above what was allocated before it (CUDA: ``max_memory_allocated``; CPU: the profiler's allocation
-events, replayed). Defaults: the families' benchmark models (``Family.bench``), fp32 on CPU, bf16 autocast on CUDA.
+events, replayed). Defaults: the families' benchmark models (``Fixtures.bench``), fp32 on CPU, bf16 autocast on CUDA.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def build_models(family_name: str, widths: str, device: torch.device):
     from trl.trainer.utils import add_fused_lm_head
 
     family = family_named(family_name)
-    config = family.bench_config() if widths == "bench" else family.checkpoint.config()
+    config = family.bench_config() if widths == "bench" else family.fixtures.checkpoint.config()
     torch.manual_seed(0)
     policy = AutoModelForCausalLM.from_config(config).to(device).train()
     torch.manual_seed(1)  # another initialisation, so that the losses depend on both models' log-probs

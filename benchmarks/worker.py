@@ -16,7 +16,7 @@ import traceback
 import torch
 
 from compilepack.patching import family_named
-from compilepack.patching.family import function_behind
+from compilepack.patching.builder import function_behind
 from compilepack.testing.reference import max_error
 
 from . import measure

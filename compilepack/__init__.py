@@ -5,8 +5,6 @@
     loss = step(**collate(features)).loss                  # HF DataCollatorWithFlattening or PackedCollator
 """
 
-import warnings
-
 from . import distributed, integrations, ops  # integrations: registers its extensions (TRL, PEFT) with patch()
 from .ops.backends import Backends
 from .batch import Boundaries, PackedCollator, checked, to_device, validate
@@ -54,16 +52,3 @@ __all__ = [
     "validate",
 ]
 
-
-def __getattr__(name: str):
-    # compilepack.lm_head (the chunked-head extension) moved to compilepack.patching.chunked_head, apart from the op
-    # compilepack.ops.lm_head; the old name keeps working for a deprecation period.
-    if name == "lm_head":
-        from .patching import chunked_head
-
-        warnings.warn(
-            "compilepack.lm_head is deprecated: the chunked LM head extension is compilepack.patching.chunked_head "
-            "(turn it on with compilepack.patch(model, lm_head='chunked')).", DeprecationWarning, stacklevel=2,
-        )
-        return chunked_head
-    raise AttributeError(f"module 'compilepack' has no attribute {name!r}")

@@ -9,20 +9,22 @@ its mixer without them, and the mixer calls ``mamba_selective_scan`` / ``mamba_i
 import transformers
 
 from compilepack.patches._mamba1 import attention_free_family
-from compilepack.patching import DocsRow, TinyModel, register
+from compilepack.patching import DocsRow, Fixtures, TinyModel, register
 
 register(attention_free_family(
     "mamba", "Mamba", "transformers.models.mamba.modeling_mamba",
-    tiny={
-        "ssm": TinyModel(lambda: transformers.MambaConfig(
-            vocab_size=256, hidden_size=64, state_size=16, num_hidden_layers=2, expand=2, conv_kernel=4,
-        )),
-    },
-    bench=lambda: transformers.MambaConfig(
-        vocab_size=256, hidden_size=256, state_size=16, num_hidden_layers=4, expand=2, conv_kernel=4,
-    ),
-    docs=DocsRow(
-        stock_packed="position_ids only or with the collator's boundary kwargs: silently wrong (the kwargs never "
-                     "reach the mixers; every layer scans one long sequence)",
+    fixtures=Fixtures(
+        tiny={
+            "ssm": TinyModel(lambda: transformers.MambaConfig(
+                vocab_size=256, hidden_size=64, state_size=16, num_hidden_layers=2, expand=2, conv_kernel=4,
+            )),
+        },
+        bench=lambda: transformers.MambaConfig(
+            vocab_size=256, hidden_size=256, state_size=16, num_hidden_layers=4, expand=2, conv_kernel=4,
+        ),
+        docs=DocsRow(
+            stock_packed="position_ids only or with the collator's boundary kwargs: silently wrong (the kwargs never "
+                         "reach the mixers; every layer scans one long sequence)",
+        ),
     ),
 ))

@@ -6,23 +6,25 @@ stops building masks from position_ids.
 
 import transformers
 
-from compilepack.patching import ATTENTION, DocsRow, Family, TinyModel, register
+from compilepack.patching import ATTENTION, DocsRow, Family, Fixtures, TinyModel, register
 
 _TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=2048)
 
 register(Family(
     "qwen3", "transformers.models.qwen3.modeling_qwen3", decoder="Qwen3Model",
     layers={"Qwen3Attention": (ATTENTION,)},
-    tiny={
-        "gqa": TinyModel(lambda: transformers.Qwen3Config(
-            **_TINY, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        )),
-    },
-    bench=lambda: transformers.Qwen3Config(
-        vocab_size=256, hidden_size=256, intermediate_size=688, num_hidden_layers=1, num_attention_heads=8,
-        num_key_value_heads=4, head_dim=32, max_position_embeddings=4096,
-    ),
-    docs=DocsRow(
-        stock_packed="sdpa: dense T x T mask from position_ids, correct only with use_cache=False",
+    fixtures=Fixtures(
+        tiny={
+            "gqa": TinyModel(lambda: transformers.Qwen3Config(
+                **_TINY, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            )),
+        },
+        bench=lambda: transformers.Qwen3Config(
+            vocab_size=256, hidden_size=256, intermediate_size=688, num_hidden_layers=1, num_attention_heads=8,
+            num_key_value_heads=4, head_dim=32, max_position_embeddings=4096,
+        ),
+        docs=DocsRow(
+            stock_packed="sdpa: dense T x T mask from position_ids, correct only with use_cache=False",
+        ),
     ),
 ))

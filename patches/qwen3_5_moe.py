@@ -7,7 +7,7 @@ position_ids may have several rows (multimodal RoPE): document boundaries come o
 
 import transformers
 
-from compilepack.patching import ATTENTION, GATED_DELTANET, DocsRow, Family, TinyModel, register
+from compilepack.patching import ATTENTION, GATED_DELTANET, DocsRow, Family, Fixtures, TinyModel, register
 
 _QWEN3_5_MOE_TEXT = dict(
     vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -22,23 +22,25 @@ register(Family(
     "qwen3_5_moe", "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", decoder="Qwen3_5MoeTextModel",
     model_types=("qwen3_5_moe", "qwen3_5_moe_text"), entries=("Qwen3_5MoeModel",),
     layers={"Qwen3_5MoeAttention": (ATTENTION,), "Qwen3_5MoeGatedDeltaNet": GATED_DELTANET},
-    tiny={
-        "text": TinyModel(lambda: transformers.Qwen3_5MoeTextConfig(**_QWEN3_5_MOE_TEXT), moe=True),
-        "multimodal": TinyModel(
-            lambda: transformers.Qwen3_5MoeConfig(text_config=_QWEN3_5_MOE_TEXT, vision_config=_QWEN3_5_MOE_VISION),
-            model_class="Qwen3_5MoeForConditionalGeneration", moe=True,
+    fixtures=Fixtures(
+        tiny={
+            "text": TinyModel(lambda: transformers.Qwen3_5MoeTextConfig(**_QWEN3_5_MOE_TEXT), moe=True),
+            "multimodal": TinyModel(
+                lambda: transformers.Qwen3_5MoeConfig(text_config=_QWEN3_5_MOE_TEXT, vision_config=_QWEN3_5_MOE_VISION),
+                model_class="Qwen3_5MoeForConditionalGeneration", moe=True,
+            ),
+        },
+        bench=lambda: transformers.Qwen3_5MoeTextConfig(
+            vocab_size=256, hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+            head_dim=32, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32,
+            linear_value_head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+            shared_expert_intermediate_size=128,
+            layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+            max_position_embeddings=4096,
         ),
-    },
-    bench=lambda: transformers.Qwen3_5MoeTextConfig(
-        vocab_size=256, hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
-        head_dim=32, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32,
-        linear_value_head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
-        shared_expert_intermediate_size=128,
-        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
-        max_position_embeddings=4096,
-    ),
-    docs=DocsRow(
-        stock_packed="position_ids only: silently wrong (linear layers see one long sequence); with the collator's "
-                     "boundary kwargs: ValueError (causal_conv1d_fn can't keep packed sequences apart)",
+        docs=DocsRow(
+            stock_packed="position_ids only: silently wrong (linear layers see one long sequence); with the "
+                         "collator's boundary kwargs: ValueError (causal_conv1d_fn can't keep packed sequences apart)",
+        ),
     ),
 ))

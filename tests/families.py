@@ -1,5 +1,5 @@
 """The tests' view of the families' tiny models: each family declares its tiny configs in its own file in
-``patches/`` (``Family.tiny``: randomly initialised models small enough for 2 CPU cores, with every layer type of
+``patches/`` (``Fixtures.tiny``: randomly initialised models small enough for 2 CPU cores, with every layer type of
 the family, the first variant its default). Config classes are looked up when a config is built, so a transformers
 release without a family's classes fails only that family's tests.
 """
@@ -27,7 +27,7 @@ def available_families() -> list[Family]:
 
 
 def variants(family: Family) -> list[str]:
-    return list(family.tiny)
+    return list(family.fixtures.tiny)
 
 
 def mixers_of(family: Family) -> frozenset[str]:
@@ -44,7 +44,7 @@ def representatives() -> frozenset[tuple[str, str]]:
     chosen = {}
     for family in sorted(available_families(), key=lambda f: f.name):
         chosen.setdefault(mixers_of(family), family)
-    headline = [family for family in available_families() if family.checkpoint is not None]
+    headline = [family for family in available_families() if family.fixtures.checkpoint is not None]
     return frozenset((family.name, variants(family)[0]) for family in [*chosen.values(), *headline])
 
 

@@ -16,7 +16,7 @@ from compilepack import (
     UnsupportedModelError,
 )
 from compilepack.ops.backends import Backends
-from compilepack.patching import ATTENTION, Family, family_named
+from compilepack.patching import ATTENTION, Family, build_forwards, family_named
 from tests.families import tiny_config
 from tests.models import hf_batch, logits_alone, max_diff_packed_vs_alone, random_docs
 
@@ -155,10 +155,10 @@ def test_unpatch_refuses_a_decorated_forward():
 def test_incompatible_transformers_is_named():
     missing_class = Family("x", LLAMA.modeling, "LlamaModel", {"LlamaGone": (ATTENTION,)})
     with pytest.raises(IncompatibleTransformersError, match=r"LlamaGone does not exist.*compilepack supports x on transformers>=5.18,<5.26"):
-        missing_class.forwards(Backends())
+        build_forwards(missing_class, Backends())
     not_calling = Family("x", LLAMA.modeling, "LlamaModel", {"LlamaMLP": (ATTENTION,)})
     with pytest.raises(IncompatibleTransformersError, match="LlamaMLP.forward no longer loads the global ALL_ATTENTION_FUNCTIONS"):
-        not_calling.forwards(Backends())
+        build_forwards(not_calling, Backends())
 
 
 def test_a_family_outside_its_releases_is_refused_naming_them():
@@ -166,7 +166,7 @@ def test_a_family_outside_its_releases_is_refused_naming_them():
     assert not future.available
     with pytest.raises(IncompatibleTransformersError, match=r"cannot patch future: this family is not supported in "
                        r"transformers 5\.\d+\.\d+\. compilepack supports future on transformers.*>=99"):
-        future.forwards(Backends())
+        build_forwards(future, Backends())
 
 
 def test_packed_batch_with_attention_mask_or_cache_is_refused_in_the_model():

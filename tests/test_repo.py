@@ -30,11 +30,12 @@ def test_every_family_declares_its_test_models_bench_model_and_docs_row():
     table = (ROOT / "docs" / "models.md").read_text()
     rows = {line.split("|")[1].strip().strip("`") for line in table.splitlines() if line.startswith("| `")}
     for family in compilepack.families():
-        assert family.tiny and family.bench is not None and family.docs is not None, family.name
-        assert family.docs.stock_packed and family.kernels, family.name
+        fixtures = family.fixtures
+        assert fixtures.tiny and fixtures.bench is not None and fixtures.docs is not None, family.name
+        assert fixtures.docs.stock_packed and family.kernels, family.name
         assert family.name in rows, f"docs/models.md has no row for {family.name}"
     headline = {"llama", "qwen3_next", "qwen3_5", "bamba"}
-    assert headline <= {family.name for family in compilepack.families() if family.checkpoint is not None}
+    assert headline <= {family.name for family in compilepack.families() if family.fixtures.checkpoint is not None}
 
 
 def test_a_family_is_named_in_one_file_of_the_package():
@@ -62,7 +63,7 @@ def test_the_library_never_imports_the_benchmark():
 LAYERS = ("errors", "batch", "distributed", "ops", "patching", "patches", "integrations", "testing",
           "__init__", "cli", "__main__")
 # the registry imports the family files it discovers (a plugin folder, loaded on first use), the one import upward
-DISCOVERS = {("compilepack/patching/family.py", "compilepack.patches")}
+DISCOVERS = {("compilepack/patching/registry.py", "compilepack.patches")}
 
 
 def _layer_of(module: str) -> str:
@@ -116,6 +117,27 @@ def test_the_package_top_level_holds_only_its_face():
     and the modules not yet in a subpackage. Everything else lives in a subpackage named for its layer."""
     loose = sorted(p.name for p in (ROOT / "compilepack").glob("*.py"))
     assert loose == ["__init__.py", "__main__.py", "errors.py"]
+
+
+def _readme_code_map() -> list[str]:
+    """The paths of the README's "Map of the code", in order."""
+    section = (ROOT / "README.md").read_text().split("## Map of the code\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^- `([^`]+)`:", section, re.M)
+
+
+def _design_code_map() -> list[str]:
+    """The paths of docs/design.md's map (the first code block under "The layers of the code"), in order."""
+    section = (ROOT / "docs" / "design.md").read_text().split("## The layers of the code\n", 1)[1]
+    block = section.split("```\n", 2)[1]
+    return [line.split()[0] for line in block.splitlines() if line and not line[0].isspace()]
+
+
+def test_the_design_code_map_matches_the_readme_map():
+    """docs/design.md's map (by layer, with detail) and the README's name the same paths, each of which exists."""
+    readme, design = _readme_code_map(), _design_code_map()
+    assert len(readme) >= 10 and len(set(readme)) == len(readme), readme
+    assert sorted(design) == sorted(readme), (set(design) ^ set(readme))
+    assert [path for path in readme if not (ROOT / path).exists()] == []
 
 
 def test_every_patch_module_registers_a_family():

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     text = table()
     if args.write:
-        notes = "\n".join(f"- `{f.name}`: {f.docs.stock_packed}" for f in compilepack.families())
+        notes = "\n".join(f"- `{f.name}`: {f.fixtures.docs.stock_packed}" for f in compilepack.families())
         header = HEADER.format(tf=transformers.__version__, torch=torch.__version__, lengths=LENGTHS)
         DOCS_PATH.write_text(replace_block(DOCS_PATH.read_text(), "families", f"{header}\n{text}\n\n{notes}"))
     print(text)

@@ -29,9 +29,10 @@ POSITION_IDS, ATTENTION_MASK, LABELS = "position_ids", "attention_mask", "labels
 CACHE_KEYS = ("cache", "past_key_values")
 # The name transformers' linear-attention layers hand the boundaries to their delta rule under.
 CU_SEQLENS = "cu_seqlens"
-# Internal: the host copy of cu_seq_lens_q that the patched decoder hands to the layers (kernels that need host-side
-# sizes read it instead of copying the device tensor back). Never part of a user's batch.
-HOST_CU_SEQLENS = "cu_seq_lens_q_cpu"
+# Internal: the key under which the patched decoder hands its layers the batch's boundaries as one typed value
+# (:class:`~compilepack.batch.derived.PackedBoundaries`), beside the HF keys stock code reads. Never part of a user's
+# batch.
+PACKED_BOUNDARIES = "compilepack_boundaries"
 # The keys a patched model moves to the device itself (compilepack.to_device leaves them on the host).
 HOST_BOUNDARY_KEYS = CU_SEQLENS_KEYS
 # The key compilepack.distributed.shard_batch sets: the context-parallel group a batch was sharded for.

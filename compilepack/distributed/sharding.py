@@ -179,12 +179,12 @@ def _fingerprint(batch: dict) -> str:
 # ------------------------------------------------------------------------------------------------ the model's checks
 
 
-def check_batch(kwargs: dict, cp: ContextParallel, where: str) -> None:
+def check_batch(shard: ContextParallel | None, cp: ContextParallel, where: str) -> None:
     """Refuse a packed batch that was not sharded for this model's context parallelism ``cp``: unsharded, or
-    sharded for another group or rank. Compares Python objects only (the batch's ``context_parallel_shard`` entry
-    with the model's, by identity): free inside a graph, where it becomes a guard. (A sharded batch given to a model
-    patched without context parallelism is refused by the decoder, which never enters this package then.)"""
-    shard = kwargs.get(SHARD_KEY)
+    sharded for another group or rank. ``shard``: the batch's ``context_parallel_shard`` entry (or its
+    ``PackedBoundaries.shard``, in the layers). Compares Python objects only (by identity): free inside a graph,
+    where it becomes a guard. (A sharded batch given to a model patched without context parallelism is refused by
+    the decoder, which never enters this package then.)"""
     if shard is cp:
         return
     if shard is None:

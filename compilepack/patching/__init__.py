@@ -1,18 +1,11 @@
-"""Patching machinery: families, the registry, and the per-instance rebinding of transformers forwards."""
+"""Patching machinery: family declarations, their registry, the builder of their forwards, and the per-instance
+rebinding of transformers forwards."""
 
 from .api import is_patched, patch, patch_state, patched, unpatch
 from . import chunked_head  # registers patch(lm_head=...) with patch(): importing compilepack must be enough
-from .family import (
-    Checkpoint,
-    DocsRow,
-    Family,
-    TinyModel,
-    families,
-    family_named,
-    family_of,
-    register,
-    supported_model_types,
-)
+from .builder import build_forwards
+from .family import Checkpoint, DocsRow, Family, Fixtures, TinyModel
+from .registry import families, family_named, family_of, register, supported_model_types
 from .replacements import (
     ATTENTION,
     CAUSAL_CONV1D,
@@ -47,8 +40,10 @@ __all__ = [
     "Checkpoint",
     "DocsRow",
     "Family",
+    "Fixtures",
     "Replacement",
     "TinyModel",
+    "build_forwards",
     "families",
     "family_named",
     "family_of",

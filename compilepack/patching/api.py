@@ -19,7 +19,8 @@ import torch
 from ..ops import backends as _backends
 from ..distributed.group import ContextParallel, check_model
 from ..errors import IncompatibleTransformersError, PatchConflictError
-from .family import family_named, family_of
+from .builder import build_forwards
+from .registry import family_named, family_of
 
 
 class PatchedForward:
@@ -121,7 +122,7 @@ def patch(
     chosen = _backends.resolve(backend, kinds=family.op_kinds)
     if context_parallel is not None:
         chosen = _with_context_parallel(model, family, chosen, context_parallel)
-    forwards = family.forwards(chosen)
+    forwards = build_forwards(family, chosen)
     targets = [(m, forward) for m in model.modules() if (forward := _forward_for(type(m), forwards)) is not None]
     state = patch_state(model)
     if state is not None:
@@ -201,7 +202,7 @@ def _rebound_forward(module: torch.nn.Module, family: str, backends: _backends.B
     """Unpickling a :class:`PatchedForward`: the functions :func:`patch` made cannot be pickled by reference, so
     they are looked up again (the registry caches them). ``module`` may still be empty here (pickle fills its
     ``__dict__`` after rebuilding what it holds); only its class is read."""
-    forward = _forward_for(type(module), family_named(family).forwards(backends))
+    forward = _forward_for(type(module), build_forwards(family_named(family), backends))
     if forward is None:
         raise IncompatibleTransformersError(
             f"cannot restore compilepack's forward of {type(module).__name__}: the {family} family no longer patches "

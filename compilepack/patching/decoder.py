@@ -1,8 +1,10 @@
 """Once per forward, at the top of the patched decoder: check the batch's boundaries and turn them into device
 tensors, or hand a batch without boundaries to the stock forward.
 
-The layers below receive the same keys the HF collator emits (``cu_seq_lens_q``, ``max_length_q``,
-``seq_idx``...), already on the model's device, so no layer moves or derives anything itself. This code is
+The layers below receive the boundaries once, as one typed value (:class:`~compilepack.batch.derived.PackedBoundaries`
+under ``keys.PACKED_BOUNDARIES``: what compilepack's replacements read), and the keys the HF collator emits
+(``cu_seq_lens_q``, ``max_length_q``, ``seq_idx``...: what stock code reads), both already on the model's device, so
+no layer moves or derives anything itself. This code is
 traced by dynamo: inside a graph it branches only on static facts (which keys are present, types, devices),
 never on tensor values; the value rules become asynchronous device asserts there (:mod:`compilepack.batch.rules`).
 """
@@ -21,14 +23,14 @@ from ..batch.keys import (
     INPUTS_EMBEDS,
     CU_SEQLENS_K,
     CU_SEQLENS_Q,
-    HOST_CU_SEQLENS,
     MAX_LENGTH_K,
     MAX_LENGTH_Q,
+    PACKED_BOUNDARIES,
     POSITION_IDS,
     SEQ_IDX,
     SHARD_KEY,
 )
-from ..batch.derived import positions_in_documents, seq_idx_from_cu_seqlens
+from ..batch.derived import PackedBoundaries, positions_in_documents, seq_idx_from_cu_seqlens
 from ..distributed.sharding import check_batch, shards_per_row
 from ..errors import ContextParallelError
 
@@ -59,7 +61,8 @@ def packed_decoder_forward(
 
 
 def prepare_packed_kwargs(kwargs: dict, cp_group=None) -> dict:
-    """Boundary kwargs checked and on the tokens' device, with ``seq_idx`` and missing ``position_ids`` derived.
+    """Boundary kwargs checked and on the tokens' device, with ``seq_idx`` and missing ``position_ids`` derived, and
+    the same boundaries as one :class:`PackedBoundaries` for compilepack's replacements.
 
     ``cu_seq_lens_q`` is the single source of truth: ``seq_idx`` is recomputed from it (one searchsorted)
     so the attention and the mixers can never disagree about where a document starts.
@@ -71,7 +74,7 @@ def prepare_packed_kwargs(kwargs: dict, cp_group=None) -> dict:
     if cp_group is None:
         _refuse_shard(kwargs)
     else:  # a shard holds 1/W of every row; its boundaries (cu_seq_lens_q, seq_idx) describe whole rows
-        check_batch(kwargs, cp_group, "the packed decoder")
+        check_batch(kwargs.get(SHARD_KEY), cp_group, "the packed decoder")
         row_length *= shards_per_row(kwargs, tokens)
     rules.check_static(kwargs, tokens, row_length)
     given = kwargs[CU_SEQLENS_Q]
@@ -85,22 +88,31 @@ def prepare_packed_kwargs(kwargs: dict, cp_group=None) -> dict:
     elif kwargs.get(SEQ_IDX) is not None and kwargs[SEQ_IDX].device.type != "cpu":
         rules.assert_seq_idx_in_graph(kwargs[SEQ_IDX], seq_idx)
     max_seqlen = _max_seqlen(kwargs.get(MAX_LENGTH_Q), row_length, on_host)
+    boundaries = PackedBoundaries(
+        cu_seqlens, _host_copy(given, kwargs.get(PACKED_BOUNDARIES)), max_seqlen, seq_idx, kwargs.get(SHARD_KEY),
+    )
     kwargs.update({
         CU_SEQLENS_Q: cu_seqlens,
         CU_SEQLENS_K: cu_seqlens,
         MAX_LENGTH_Q: max_seqlen,
         MAX_LENGTH_K: max_seqlen,
         SEQ_IDX: seq_idx,
-        # the host copy, when the batch brought one (kernels that need host-side sizes read it instead of
-        # copying cu_seqlens back from the device); None when a trainer already moved the batch to the device. A
-        # multimodal entry prepares the batch before its decoder does: the decoder keeps the entry's host copy.
-        HOST_CU_SEQLENS: given.to(torch.int32) if given.device.type == "cpu" else kwargs.get(HOST_CU_SEQLENS),
+        PACKED_BOUNDARIES: boundaries,
         # a packed row has no meaningful cache: several documents would write one state
         "use_cache": False,
     })
     if kwargs.get(POSITION_IDS) is None:
         kwargs[POSITION_IDS] = positions_in_documents(cu_seqlens, seq_idx.flatten()).view(rows, row_length)
     return kwargs
+
+
+def _host_copy(given: torch.Tensor, prepared: PackedBoundaries | None) -> torch.Tensor | None:
+    """The host copy of the boundaries, when the batch brought one (kernels that need host-side sizes read it instead
+    of copying ``cu_seqlens`` back from the device); None when a trainer already moved the batch to the device. A
+    multimodal entry prepares the batch before its decoder does: the decoder keeps the entry's host copy."""
+    if given.device.type == "cpu":
+        return given.to(torch.int32)
+    return None if prepared is None else prepared.cu_seqlens_cpu
 
 
 def _refuse_shard(kwargs: dict) -> None:

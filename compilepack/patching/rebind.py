@@ -28,7 +28,7 @@ import inspect
 import types
 from collections.abc import Callable, Mapping
 
-from ..batch.keys import BOUNDARY_KEYS
+from ..batch.keys import BOUNDARY_KEYS, PACKED_BOUNDARIES
 from ..errors import IncompatibleTransformersError
 
 BOUNDARIES_HELPER = "__compilepack_boundaries__"  # the module global that threaded calls read
@@ -54,9 +54,10 @@ def install(module: types.ModuleType, key: str, replacements: Mapping[str, objec
 
 
 def boundary_kwargs(kwargs: dict) -> dict:
-    """The batch's boundary kwargs among a forward's ``**kwargs`` (those not None): what a threaded call also
-    receives. Empty for an unpacked batch, so the call is then exactly the stock one."""
-    return {key: kwargs[key] for key in BOUNDARY_KEYS if kwargs.get(key) is not None}
+    """The batch's boundary kwargs among a forward's ``**kwargs`` (those not None), the HF keys and the decoder's
+    typed value: what a threaded call also receives. Empty for an unpacked batch, so the call is then exactly the
+    stock one."""
+    return {key: kwargs[key] for key in (*BOUNDARY_KEYS, PACKED_BOUNDARIES) if kwargs.get(key) is not None}
 
 
 def global_loads(code: types.CodeType) -> set[str]:

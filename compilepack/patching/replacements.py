@@ -5,8 +5,10 @@ the stock function must have (checked at ``patch()`` time against the installed 
 that builds compilepack's version from the stock object and the chosen backends.
 
 Every replacement keeps stock behaviour for batches without boundaries (padded batches, generation with a
-cache) and switches to compilepack's boundary-aware op when the batch carries them. The switch tests only
-whether a keyword argument is present: a static fact, so it adds no guard that changes between batches.
+cache) and switches to compilepack's boundary-aware op when the batch carries them: it reads the boundaries the
+patched decoder built, one :class:`~compilepack.batch.derived.PackedBoundaries` under one key, and takes the one
+branch :func:`_dispatch` writes (stock, op, or its context-parallel form). The switch tests only whether that value
+is present: a static fact, so it adds no guard that changes between batches.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from ..batch import rules
 from ..ops.backends import Backends
-from ..batch.keys import CACHE_KEYS, CU_SEQLENS, CU_SEQLENS_Q, HOST_CU_SEQLENS, MAX_LENGTH_Q, SEQ_IDX
+from ..batch.derived import PackedBoundaries
+from ..batch.keys import CACHE_KEYS, PACKED_BOUNDARIES
 from ..distributed.sharding import check_batch
 from ..errors import BoundaryError
 from ..ops import (
@@ -54,7 +58,7 @@ class Replacement:
     runs_sharded: bool = False
     # stock module functions that newer releases put between a layer's forward and this global (transformers 5.25:
     # the layer calls ``causal_conv1d_forward(conv1d, x, cache, ...)``, which calls ``causal_conv1d_fn``): a layer
-    # whose forward loads one of them instead of ``global_name`` gets a copy of that function rebound (family.py)
+    # whose forward loads one of them instead of ``global_name`` gets a copy of that function rebound (builder.py)
     via: tuple[str, ...] = ()
     # a fused kernel a release may drop (transformers 5.25's FalconMamba has no ``mamba_inner_fn`` path): a forward
     # that no longer loads it has nothing to replace
@@ -62,6 +66,40 @@ class Replacement:
     # the op kinds whose CUDA backend its ops run (``Backends`` fields): patch() resolves and checks only the kinds a
     # family's replacements name, so no model is refused for a kernel library it would never call
     kinds: tuple[str, ...] = ()
+
+
+# ------------------------------------------------------------------------------------------------ the one branch
+
+Result = TypeVar("Result")
+
+
+def _boundaries(kwargs: dict, seq_idx=None) -> PackedBoundaries | None:
+    """The batch's boundaries as the patched decoder built them (None: a batch without boundaries). A kernel call
+    handed ``seq_idx`` but not the forward's ``**kwargs`` (LFM2's conv in transformers 5.18) knows them by
+    ``seq_idx`` alone."""
+    boundaries = kwargs.get(PACKED_BOUNDARIES)
+    if boundaries is None and seq_idx is not None:
+        return PackedBoundaries.of_seq_idx(seq_idx)
+    return boundaries
+
+
+def _dispatch(
+    boundaries: PackedBoundaries | None, cp, where: str, *, stock: Callable[[], Result],
+    op: Callable[[PackedBoundaries], Result], sharded: Callable[[PackedBoundaries], Result] | None = None,
+    refuse: Callable[[], None] = lambda: None,
+) -> Result:
+    """The branch every replacement takes, on static facts only: ``stock()`` for a batch without boundaries; else,
+    once ``refuse()`` has refused what a packed batch cannot do, compilepack's ``op``, or under context parallelism
+    (``cp``, the model's group, fixed at patch() time) its ``sharded`` form, once the batch is known to be sharded
+    for that group (an identity check: a guard in a graph). A model patched without ``cp`` never enters
+    compilepack/distributed here."""
+    if boundaries is None:
+        return stock()
+    refuse()
+    if cp is None:
+        return op(boundaries)
+    check_batch(boundaries.shard, cp, where)
+    return sharded(boundaries)
 
 
 # ------------------------------------------------------------------------------------------------ attention
@@ -94,32 +132,36 @@ def packed_attention(
 ):
     """transformers attention-interface function: ``[B, H, T, D]`` inputs, returns ``([B, T, H, Dv], None)``.
 
-    Only a packed batch (one that carries ``cu_seq_lens_q``: a static fact) runs compilepack's op; every other call
-    (padded, unpadded, cached decoding) is the stock function's, with its dropout and attention weights. Under
-    context parallelism the op runs head-parallel over the whole rows, over tokens against the gathered keys, or
-    both (``ops/attention/sharded.py``)."""
-    cu_seqlens = kwargs.get(CU_SEQLENS_Q)
-    if cu_seqlens is None:
-        return stock_attention(module, query, key, value, attention_mask, **kwargs)
-    _refuse_unsupported_attention(module, kwargs)
+    Only a packed batch (one whose boundaries the patched decoder built: a static fact) runs compilepack's op; every
+    other call (padded, unpadded, cached decoding) is the stock function's, with its dropout and attention weights.
+    Under context parallelism the op runs head-parallel over the whole rows, over tokens against the gathered keys,
+    or both (``ops/attention/sharded.py``)."""
+    where = type(module).__name__
     rows, heads, row_length, _ = query.shape
-    query, key, value = _autocast_dtype(query, key, value)
-    max_seqlen = row_length if kwargs.get(MAX_LENGTH_Q) is None else kwargs[MAX_LENGTH_Q]
-    options = dict(
-        causal=getattr(module, "is_causal", True), scale=kwargs.get("scaling"), window=kwargs.get("sliding_window"),
-        cu_seqlens_cpu=kwargs.get(HOST_CU_SEQLENS), backend=backend,
-    )
-    if cp is not None:  # head-parallel over the whole rows, or over tokens (the group's mode)
-        check_batch(kwargs, cp, type(module).__name__)
+
+    def options(boundaries: PackedBoundaries) -> dict:
+        return dict(
+            causal=getattr(module, "is_causal", True), scale=kwargs.get("scaling"), window=kwargs.get("sliding_window"),
+            cu_seqlens_cpu=boundaries.cu_seqlens_cpu, backend=backend,
+        )
+
+    def single(b: PackedBoundaries):
+        q, k, v = (_tokens_first(x) for x in _autocast_dtype(query, key, value))
+        out = varlen_attention(q, k, v, b.cu_seqlens, b.max_seqlen, **options(b))
+        return out.view(rows, row_length, heads, -1), None
+
+    def sharded(b: PackedBoundaries):  # head-parallel over the whole rows, or over tokens (the group's mode)
         out = varlen_attention_sharded(
-            query, key, value, cu_seqlens, max_seqlen, global_length=kwargs[SEQ_IDX].shape[-1], cp=cp,
-            where=type(module).__name__, **options,
+            *_autocast_dtype(query, key, value), b.cu_seqlens, b.max_seqlen, global_length=b.seq_idx.shape[-1],
+            cp=cp, where=where, **options(b),
         )
         return out, None
-    out = varlen_attention(
-        _tokens_first(query), _tokens_first(key), _tokens_first(value), cu_seqlens, max_seqlen, **options
+
+    return _dispatch(
+        _boundaries(kwargs), cp, where, op=single, sharded=sharded,
+        stock=lambda: stock_attention(module, query, key, value, attention_mask, **kwargs),
+        refuse=lambda: _refuse_unsupported_attention(module, kwargs),
     )
-    return out.view(rows, row_length, heads, -1), None
 
 
 def _autocast_dtype(*tensors):
@@ -192,13 +234,14 @@ def _make_causal_conv1d(stock: Callable, backends: Backends) -> Callable:
     cp = backends.cp_group  # fixed at patch() time: a model without it never runs distributed code
 
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, seq_idx=None, **kwargs):
-        if seq_idx is None:
-            return stock(hidden_states, weight, bias, activation=activation)
-        if cp is None:
-            return causal_conv1d_varlen(hidden_states, weight, bias, seq_idx, activation, backend=backends.conv)
-        check_batch(kwargs, cp, "causal conv1d")  # channel-parallel over the whole rows, or over tokens (a halo)
-        return causal_conv1d_sharded(hidden_states, weight, bias, seq_idx, activation, backend=backends.conv,
-                                              cp=cp)
+        args = (hidden_states, weight, bias)
+        return _dispatch(
+            _boundaries(kwargs, seq_idx), cp, "causal conv1d",
+            stock=lambda: stock(*args, activation=activation),
+            op=lambda b: causal_conv1d_varlen(*args, b.seq_idx, activation, backend=backends.conv),
+            # channel-parallel over the whole rows, or over tokens (a halo)
+            sharded=lambda b: causal_conv1d_sharded(*args, b.seq_idx, activation, backend=backends.conv, cp=cp),
+        )
 
     return causal_conv1d_fn
 
@@ -214,38 +257,38 @@ CAUSAL_CONV1D = Replacement(
 
 
 def _delta_rule(
-    global_name: str, varlen: Callable, sharded: Callable, what: str, boundaries: str,
-    stock_takes_kwargs: bool, kernels: str,
+    global_name: str, varlen: Callable, sharded: Callable, what: str, stock_takes_kwargs: bool, kernels: str,
 ) -> Replacement:
     """transformers' chunked delta rule ``global_name`` (``query, key, value, g, beta`` and its chunk, state and
-    l2norm arguments): the stock function for batches without boundaries, compilepack's op ``varlen`` for those that
-    pass them (as the keyword ``boundaries``), or its ``sharded`` form under context parallelism.
-    ``stock_takes_kwargs``: the other keywords go to the stock function too."""
+    l2norm arguments): the stock function for batches without boundaries, compilepack's op ``varlen`` for packed
+    ones, or its ``sharded`` form under context parallelism. ``stock_takes_kwargs``: the other keywords go to the
+    stock function too."""
 
     def make(stock: Callable, backends: Backends) -> Callable:
         cp = backends.cp_group
-
 
         def chunk_delta_rule(
             query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
             use_qk_l2norm_in_kernel=False, **kwargs,
         ):
-            cu_seqlens = kwargs.get(boundaries)
-            if cu_seqlens is None:
-                return stock(
-                    query, key, value, g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
+            args = (query, key, value, g, beta)
+
+            def options(b: PackedBoundaries) -> dict:
+                return dict(use_qk_l2norm=use_qk_l2norm_in_kernel, cu_seqlens_cpu=b.cu_seqlens_cpu,
+                            backend=backends.delta_rule)
+
+            return _dispatch(
+                _boundaries(kwargs), cp, what,
+                stock=lambda: stock(
+                    *args[:3], g=g, beta=beta, chunk_size=chunk_size, initial_state=initial_state,
                     output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                     **(kwargs if stock_takes_kwargs else {}),
-                )
-            _refuse_state(initial_state is not None or output_final_state, what)
-            options = dict(
-                use_qk_l2norm=use_qk_l2norm_in_kernel, cu_seqlens_cpu=kwargs.get(HOST_CU_SEQLENS),
-                backend=backends.delta_rule,
+                ),
+                refuse=lambda: _refuse_state(initial_state is not None or output_final_state, what),
+                op=lambda b: (varlen(*args, b.cu_seqlens, **options(b)), None),
+                # head-parallel over the whole rows, or over tokens (a state pass)
+                sharded=lambda b: (sharded(*args, b.cu_seqlens, cp=cp, where=what, **options(b)), None),
             )
-            if cp is None:
-                return varlen(query, key, value, g, beta, cu_seqlens, **options), None
-            check_batch(kwargs, cp, what)  # head-parallel over the whole rows, or over tokens (a state pass)
-            return sharded(query, key, value, g, beta, cu_seqlens, cp=cp, where=what, **options), None
 
         chunk_delta_rule.__name__ = chunk_delta_rule.__qualname__ = global_name
         return chunk_delta_rule
@@ -254,16 +297,16 @@ def _delta_rule(
     return Replacement(global_name, make, expected, kernels, runs_sharded=True, kinds=("delta_rule",))
 
 
-# Gated DeltaNet's delta rule; its layers pass the boundaries as ``cu_seqlens``.
+# Gated DeltaNet's delta rule (its layers also pass the boundaries as ``cu_seqlens``, for stock).
 GATED_DELTA_RULE = _delta_rule(
     "torch_chunk_gated_delta_rule", gated_delta_rule_varlen, gated_delta_rule_sharded, "gated delta rule",
-    CU_SEQLENS, stock_takes_kwargs=False, kernels="delta rule: fla chunk_gated_delta_rule(cu_seqlens)",
+    stock_takes_kwargs=False, kernels="delta rule: fla chunk_gated_delta_rule(cu_seqlens)",
 )
 # The KDA kernel of Kimi Linear, given the layer's kwargs; CUDA backend: the delta-rule kind's choice (fla serves
 # both).
 KIMI_DELTA_ATTENTION = _delta_rule(
     "chunk_kimi_delta_attention", kimi_delta_attention_varlen, kimi_delta_attention_sharded,
-    "Kimi delta attention", CU_SEQLENS_Q, stock_takes_kwargs=True, kernels="KDA: fla chunk_kda(cu_seqlens)",
+    "Kimi delta attention", stock_takes_kwargs=True, kernels="KDA: fla chunk_kda(cu_seqlens)",
 )
 
 
@@ -277,21 +320,23 @@ def _make_mamba2_chunk_scan(stock: Callable, backends: Backends) -> Callable:
         hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None, dt_softplus=False,
         dt_limit=(0.0, math.inf), return_final_states=False, seq_idx=None, z=None, **kwargs,
     ):
-        if seq_idx is None:
-            return stock(
-                hidden_states, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, initial_states=initial_states,
-                dt_softplus=dt_softplus, dt_limit=dt_limit, return_final_states=return_final_states, z=z,
-            )
-        _refuse_state(initial_states is not None or return_final_states, "Mamba2 scan")
-        if z is not None:
-            rules.refuse(NotImplementedError, "mamba2_chunk_scan with a gate z is not supported on packed batches yet.")
-        scan = mamba2_chunk_scan_varlen
-        if cp is not None:  # head-parallel over the whole rows, or over tokens (a state pass)
-            check_batch(kwargs, cp, "Mamba2 scan")
-            scan = functools.partial(mamba2_chunk_scan_sharded, cp=cp)
-        return scan(
-            hidden_states, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
-            dt_limit=tuple(dt_limit), seq_idx=seq_idx, backend=backends.ssd,
+        args = (hidden_states, dt, A, B, C, chunk_size)
+        options = dict(D=D, dt_bias=dt_bias, dt_softplus=dt_softplus)
+        packed = dict(options, dt_limit=tuple(dt_limit), backend=backends.ssd)
+
+        def refuse():
+            _refuse_state(initial_states is not None or return_final_states, "Mamba2 scan")
+            if z is not None:
+                rules.refuse(NotImplementedError,
+                             "mamba2_chunk_scan with a gate z is not supported on packed batches yet.")
+
+        return _dispatch(
+            _boundaries(kwargs, seq_idx), cp, "Mamba2 scan", refuse=refuse,
+            stock=lambda: stock(*args, initial_states=initial_states, dt_limit=dt_limit,
+                                return_final_states=return_final_states, z=z, **options),
+            op=lambda b: mamba2_chunk_scan_varlen(*args, seq_idx=b.seq_idx, **packed),
+            # head-parallel over the whole rows, or over tokens (a state pass)
+            sharded=lambda b: mamba2_chunk_scan_sharded(*args, seq_idx=b.seq_idx, cp=cp, **packed),
         )
 
     return mamba2_chunk_scan
@@ -309,11 +354,11 @@ MAMBA2_CHUNK_SCAN = Replacement(
 def _unfused_when_packed(global_name: str, expected_params: tuple[str, ...], runs_sharded: bool) -> Replacement:
     """A fused mixer kernel's global: the stock kernel for batches without boundaries; for a packed batch None,
     which is how the stock forward asks for its unfused path, whose conv and scan are compilepack's ops. Decided
-    from static facts only (whether ``seq_idx`` is passed)."""
+    from static facts only (whether the boundaries are passed)."""
 
     def make(stock: Callable, backends: Backends) -> Callable:
         def unfused_when_packed(first, *args, seq_idx=None, **kwargs):
-            if seq_idx is None:
+            if _boundaries(kwargs, seq_idx) is None:
                 return stock(first, *args, **kwargs)
             return None
 
@@ -341,16 +386,14 @@ def _make_selective_scan(stock: Callable, backends: Backends) -> Callable:
         hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
         return_last_state=False, use_mambapy=False, use_associative_scan=False, seq_idx=None, **kwargs,
     ):
-        if seq_idx is None:
-            return stock(
-                hidden_states, dt, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
-                return_last_state=return_last_state, use_mambapy=use_mambapy,
-                use_associative_scan=use_associative_scan,
-            )
-        _refuse_state(return_last_state, "selective scan")
-        return selective_scan_varlen(
-            hidden_states, dt, A, B, C, D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus,
-            seq_idx=seq_idx, backend=backends.ssd,
+        args = (hidden_states, dt, A, B, C)
+        options = dict(D=D, z=z, delta_bias=delta_bias, delta_softplus=delta_softplus)
+        return _dispatch(  # no context-parallel form: patch(context_parallel=...) refuses the models that call it
+            _boundaries(kwargs, seq_idx), None, "selective scan",
+            stock=lambda: stock(*args, return_last_state=return_last_state, use_mambapy=use_mambapy,
+                                use_associative_scan=use_associative_scan, **options),
+            refuse=lambda: _refuse_state(return_last_state, "selective scan"),
+            op=lambda b: selective_scan_varlen(*args, seq_idx=b.seq_idx, backend=backends.ssd, **options),
         )
 
     return mamba_selective_scan

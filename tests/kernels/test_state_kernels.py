@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from compilepack.ops import backends
 from compilepack.batch.derived import seq_idx_from_cu_seqlens
-from compilepack.ops import _fla, gated_delta_rule, kimi_delta_attention, mamba2
+from compilepack.ops import gated_delta_rule, kimi_delta_attention, mamba2
+from compilepack.ops._delta_rule import fla as _fla
 from tests.ops.properties import assert_close, max_error
 from tests.strategies import cu_seqlens_of
 
@@ -84,7 +85,7 @@ STATE_OPS = {
     "kimi_delta_attention": (kimi_delta_attention.kimi_delta_attention_varlen_state, True, "fla.ops.kda.chunk"),
 }
 # KDA is slow under the interpreter (~1-3 min a case on 2 busy cores): one layout, with 1-token and empty documents
-# at both ends of a row and two rows; the glue around fla (``_fla.state_path``) is the gated delta rule's, which runs
+# at both ends of a row and two rows; the glue around fla (``_delta_rule/fla.py``) is the gated delta rule's, which runs
 # every layout and the controls
 CASES = [("gated_delta_rule", layout) for layout in STATE_LAYOUTS] + [("kimi_delta_attention", "two-rows")]
 

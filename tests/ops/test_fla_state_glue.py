@@ -1,4 +1,4 @@
-"""The glue between the sequence mode's one state per row and fla's one state per document (``ops/_fla.py``), on
+"""The glue between the sequence mode's one state per row and fla's one state per document (``ops/_delta_rule/fla.py``), on
 the layouts a rank's slice gives (empty documents before, between and after, two rows): each row's first and last
 token found in the right document, states placed and read back there. The fla kernels themselves run in the kernel
 stage (``tests/kernels/test_state_kernels.py``)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from compilepack.ops import _fla
+from compilepack.ops._delta_rule import fla as _fla
 from tests.strategies import cu_seqlens_of
 
 # (document lengths, rows, first document of each row, last document of each row)

@@ -363,7 +363,7 @@ def test_every_family_shares_the_stock_scan():
     """Bamba, Mamba2, Zamba2, FalconH1, NemotronH and GraniteMoeHybrid carry the same mamba2_chunk_scan."""
     import importlib
 
-    from compilepack.patching.family import function_behind
+    from compilepack.patching.builder import function_behind
 
     def source(name):
         module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")

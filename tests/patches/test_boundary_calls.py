@@ -12,7 +12,7 @@ import torch
 
 from compilepack import IncompatibleTransformersError
 from compilepack.ops.backends import Backends
-from compilepack.patching import Family
+from compilepack.patching import Family, build_forwards
 from compilepack.patching.rebind import install, with_globals
 from tests.patches import boundary_call_stubs as stubs
 
@@ -37,7 +37,8 @@ def test_a_call_that_already_forwards_kwargs_is_left_as_it_is():
     """It receives the boundaries through its own ``**kwargs``; threading it too would pass them twice."""
     family = Family("stub_forwarding", STUBS, decoder="DropsKwargs", layers={},
                     boundary_calls={"PassesKwargs": ("self.mixer",)})
-    forward = family.forwards(Backends())[stubs.PassesKwargs]  # threaded, this call would raise "multiple values"
+    # threaded, this call would raise "multiple values"
+    forward = build_forwards(family, Backends())[stubs.PassesKwargs]
     cu_seqlens = torch.tensor([0, 2, 5], dtype=torch.int32)
     received = forward(stubs.PassesKwargs(), torch.zeros(1, 5), cu_seq_lens_q=cu_seqlens, other=1)
     assert received == {"cu_seq_lens_q": cu_seqlens, "other": 1}
@@ -48,10 +49,10 @@ def test_a_call_that_passes_a_boundary_keyword_is_refused_at_patch_time():
         rf"cannot pass the boundaries through {STUBS}\.PassesSeqIdx\.forward: its call self\.mixer\(\.\.\.\) is "
         r"named in the family's boundary_calls but already passes seq_idx=.*Remove 'self\.mixer' from boundary_calls"
     )):
-        _family("PassesSeqIdx").forwards(Backends())
+        build_forwards(_family("PassesSeqIdx"), Backends())
 
 
 def test_a_named_call_the_forward_no_longer_makes_is_refused_at_patch_time():
     family = Family("stub_gone", STUBS, decoder="DropsKwargs", layers={}, boundary_calls={"DropsKwargs": ("self.gone",)})
     with pytest.raises(IncompatibleTransformersError, match=r"DropsKwargs\.forward no longer calls self\.gone"):
-        family.forwards(Backends())
+        build_forwards(family, Backends())

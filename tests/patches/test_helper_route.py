@@ -15,7 +15,7 @@ import torch
 from compilepack import IncompatibleTransformersError
 from compilepack.ops.backends import Backends
 from compilepack.patching import Family, Replacement
-from compilepack.patching.family import function_behind
+from compilepack.patching.builder import build_forwards, function_behind
 from tests.patches import boundary_call_stubs as stubs
 
 STUBS = stubs.__name__
@@ -36,7 +36,7 @@ SCAN = Replacement("scan_kernel", _packed_kernel, ("hidden_states",), via=("scan
 
 def _forward(layer: str, replacement: Replacement = SCAN):
     family = Family(f"stub_{layer.lower()}", STUBS, decoder="DropsKwargs", layers={layer: (replacement,)})
-    return family.forwards(Backends())[getattr(stubs, layer)]
+    return build_forwards(family, Backends())[getattr(stubs, layer)]
 
 
 @pytest.mark.parametrize("layer", ["HelperLayer", "DirectLayer"])

@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from compilepack.batch.derived import PackedBoundaries, seq_idx_from_cu_seqlens
+from compilepack.batch.keys import PACKED_BOUNDARIES
 from compilepack.ops.backends import Backends
 from compilepack.errors import BoundaryError
 from compilepack.ops.attention import varlen_attention
@@ -60,9 +62,11 @@ def test_kda_replacement_refuses_a_recurrent_state_with_boundaries():
     q, k, v = (torch.randn(1, 10, 2, 8) for _ in range(3))
     g, beta = -torch.rand(1, 10, 2, 8), torch.rand(1, 10, 2)
     cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    # what the patched decoder hands its layers, beside the HF keys
+    packed = {"cu_seq_lens_q": cu, PACKED_BOUNDARIES: PackedBoundaries(cu, cu, 6, seq_idx_from_cu_seqlens(cu, 10)[None])}
     with pytest.raises(BoundaryError, match="recurrent state"):
-        replacement(q, k, v, g=g, beta=beta, output_final_state=True, cu_seq_lens_q=cu)
-    out, state = replacement(q, k, v, g=g, beta=beta, cu_seq_lens_q=cu)
+        replacement(q, k, v, g=g, beta=beta, output_final_state=True, **packed)
+    out, state = replacement(q, k, v, g=g, beta=beta, **packed)
     assert out.shape == (1, 10, 2, 8) and state is None
 
 

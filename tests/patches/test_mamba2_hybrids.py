@@ -8,7 +8,7 @@ import compilepack.ops.mamba2 as mamba2_ops
 import compilepack.patching.replacements as replacements
 from compilepack.ops.backends import Backends
 from compilepack.patching import MAMBA2_SPLIT_CONV1D_SCAN, patch_state
-from compilepack.patching.family import _key
+from compilepack.patching.builder import _key
 from compilepack.patching.rebind import private_name
 from tests.families import available_families
 from tests.models import build_pair, hf_batch, random_docs

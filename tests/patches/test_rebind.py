@@ -12,7 +12,7 @@ import torch
 
 import compilepack
 from compilepack.errors import IncompatibleTransformersError
-from compilepack.patching import CAUSAL_CONV1D, Family, family_named
+from compilepack.patching import CAUSAL_CONV1D, Family, build_forwards, family_named
 from compilepack.patching.rebind import BOUNDARIES_HELPER, boundary_kwargs, global_loads, innermost, with_globals
 from tests.families import available_families, build_tiny
 from tests.models import hf_batch, logits_alone, max_diff_packed_vs_alone, random_docs
@@ -133,7 +133,7 @@ def test_a_forward_reaching_the_kernel_through_an_attribute_is_refused(monkeypat
     family = Family("stand_in", "stand_in_modeling", decoder="Decoder", layers={"Mixer": (CAUSAL_CONV1D,)})
     with pytest.raises(IncompatibleTransformersError, match="cannot patch stand_in: Mixer.forward no longer loads the "
                        "global causal_conv1d_fn"):
-        family.forwards(compilepack.Backends())
+        build_forwards(family, compilepack.Backends())
 
 
 @pytest.mark.parametrize("family", available_families(), ids=lambda f: f.name)
@@ -142,7 +142,7 @@ def test_every_rebound_forward_loads_what_it_replaces(family):
     name its replacements rebind, or the stock helper in front of it (``Replacement.via``, transformers 5.25), or
     nothing for a fused kernel the release dropped (what patch() checks); the rebound copy no longer loads that
     stock name."""
-    forwards = family.forwards(compilepack.Backends())
+    forwards = build_forwards(family, compilepack.Backends())
     for class_name, needed in family.layers.items():
         cls = next(c for c in forwards if c.__name__ == class_name)
         stock_loads = global_loads(innermost(cls.forward).__code__)

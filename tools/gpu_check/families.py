@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, DataCollatorWithFlattening
 import compilepack
 from compilepack.ops import backends
 from compilepack.patching import family_named
-from compilepack.patching.family import function_behind
+from compilepack.patching.builder import function_behind
 
 from .common import Context, auto_outcome, describe, guarded, max_err, synchronize
 

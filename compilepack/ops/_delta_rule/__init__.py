@@ -1,6 +1,7 @@
 """What the two delta rules (``gated_delta_rule/``, ``kimi_delta_attention/``) share: their ops' declarations, input
-checks and calls, with and without a state (``reference.py``: the reference's state path; ``sharded.py``: both under
-context parallelism). Each rule's folder holds only what is its own: its reference chunks, its fla glue, its oracle.
+checks and calls, with and without a state (``reference.py``: the reference's paths around each rule's chunks;
+``fla.py``: the glue around fla's kernels; ``sharded.py``: both under context parallelism). Each rule's folder holds
+only what is its own: its reference chunks, its calls into fla, its oracle.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
-"""A delta rule's ``*_varlen_state`` reference path, shared by the gated delta rule and Kimi delta attention (each
-gives its chunk builder, its run from a given state and its backward).
+"""A delta rule's reference paths, without and with a state, shared by the gated delta rule and Kimi delta attention
+(each gives its chunk builder, its run over the chunks and its backward: :func:`reference_paths`).
+
+Without a state, the forward saves the state at every chunk start and every chunk's ``A^-1``, flat, and the backward
+rebuilds the chunks with the saved inverses.
 
 Each row's first document starts from ``initial_state[row]`` instead of zero, and the state at each row's end (its
 last document's) is returned. Rows run one at a time, each chunked from its own start, so the state is read at a
@@ -13,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._chunked import compute_dtype, saved_inverses
+from .._chunked import compute_dtype, fake_chunk_states_and_inverses, saved_inverses
 from .._scaffold import Path
 
 
@@ -22,6 +25,24 @@ def row_boundaries(cu_seqlens: Tensor, row: int, length: int, chunk: int) -> Ten
     extended over the chunk padding: documents of other rows become empty. Tensor ops only (no host read)."""
     local = (cu_seqlens - row * length).clamp(0, length)
     return torch.where(local == length, -(-length // chunk) * chunk, local)
+
+
+def stateless_forward(chunks_of, run, q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale):
+    """A delta rule's forward from a zero state at every document start: ``(o, [states, inverses])``, the output in
+    q's dtype, the state at every chunk start and every chunk's ``A^-1``, flat (the compiler specialises a size-1
+    dimension: a chunk-count dimension would cost one recompile for every batch of at most one chunk)."""
+    c = chunks_of(q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale)
+    o, states = run(c)
+    return c.tokens(o).reshape(v.shape).to(q.dtype), [states.view(-1), c.A_inv.reshape(-1)]
+
+
+def stateless_backward(chunks_of, backward_of, do, saved, q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale, chunk):
+    """The gradients of :func:`stateless_forward`'s inputs: the chunks rebuilt with the saved ``A^-1``."""
+    flat_states, flat_inverses = saved
+    c = chunks_of(q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale, saved_inverses(flat_inverses, q, v, chunk))
+    states = flat_states.view(*c.u.shape[:3], c.w.shape[-1], c.u.shape[-1])  # [NC, H, G, K, V]
+    grads, _ = backward_of(c, states, do, scale)
+    return tuple(d.reshape(x.shape) for d, x in zip(grads, (q, k, v, g, beta)))
 
 
 def state_forward(chunks_of, run, q, k, v, g, beta, cu_seqlens, initial_state, use_qk_l2norm, scale, chunk):
@@ -78,9 +99,26 @@ def _row_chunks(chunks_of, row, inputs, cu_seqlens, use_qk_l2norm, scale, chunk,
     return chunks_of(*(x[row : row + 1] for x in inputs), bounds, use_qk_l2norm, scale, a_inv, reads_initial=True)
 
 
+def reference_paths(chunks_of, run, backward_of, chunk: int) -> tuple[Path, Path]:
+    """A delta rule's ``*_varlen`` and ``*_varlen_state`` paths from its chunk builder ``chunks_of``, its ``run(c,
+    initial=None)`` (the chunked output and the state at every chunk start, then the final one when ``initial`` is
+    given) and its ``backward_of(c, states, do, scale, d_final=None)`` (each rule's ``reference.py``)."""
+
+    def forward(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
+        return stateless_forward(chunks_of, run, q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale)
+
+    def fake(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
+        return fake_chunk_states_and_inverses(q, v, chunk)
+
+    def backward(do, o, saved, needs_grad, q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
+        return stateless_backward(chunks_of, backward_of, do, saved, q, k, v, g, beta, cu_seqlens, use_qk_l2norm,
+                                  scale, chunk)
+
+    return Path(forward=forward, backward=backward, fake=fake), state_path(chunks_of, run, backward_of, chunk)
+
+
 def state_path(chunks_of, run, backward_of, chunk: int) -> Path:
-    """The ``*_varlen_state`` op's path for a delta rule: its chunk builder ``chunks_of``, its ``run`` from a
-    given state and its stateless ``backward_of`` (each rule's ``reference.py``)."""
+    """The ``*_varlen_state`` op's path for a delta rule (:func:`reference_paths`)."""
 
     def forward(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, initial_state, use_qk_l2norm, scale):
         return state_forward(chunks_of, run, q, k, v, g, beta, cu_seqlens, initial_state, use_qk_l2norm, scale, chunk)

@@ -2,7 +2,7 @@
 
 Read in fla-core 0.6.0 (``fla/ops/gated_delta_rule/chunk.py``): ``l2norm_fwd``/``l2norm_bwd`` and
 ``chunk_gated_delta_rule_fwd``/``chunk_gated_delta_rule_bwd``, saving what fla's autograd Function saves, so nothing
-is recomputed. Chunk indices are built from the host copy of the boundaries (see ``ops/_fla.py``).
+is recomputed. Chunk indices are built from the host copy of the boundaries (see ``ops/_delta_rule/fla.py``).
 """
 
 from __future__ import annotations
@@ -10,19 +10,13 @@ from __future__ import annotations
 import torch
 
 from .. import backends
-from .._fla import chunk_indices, flat_row, kernel_device, state_path
-from .._scaffold import Path
+from .._delta_rule.fla import chunk_indices, fla_paths, flat_row, kernel_device
 
 FLA_CHUNK = 64  # transformers' and fla's default chunk size (what the saved A is shaped by)
 FLA_MODULE = "fla.ops.gated_delta_rule.chunk"  # holds the fwd/bwd functions and imports l2norm + chunk indices
 
 
-def forward(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
-    o, _, saved = _forward(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale)
-    return o, saved
-
-
-def _forward(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale, initial_state=None):
+def forward(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale, initial_state=None):
     """fla's forward: ``(o, final states per document or None, saved)``; from ``initial_state`` ``[N, HV, K, V]``
     (one per document) when given, which also asks for the final states."""
     fla = backends.load(FLA_MODULE)
@@ -45,7 +39,7 @@ def _forward(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale,
 
 
 def fake(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
-    """What :func:`forward` returns: fla's autograd Function saves normalised q, k with their rstd, the
+    """What the stateless forward returns: fla's autograd Function saves normalised q, k with their rstd, the
     chunk-local cumsum of g, and A."""
     B, T, H, K = q.shape
     HV = v.shape[2]
@@ -57,14 +51,10 @@ def fake(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
     return v.new_empty(v.shape, dtype=q.dtype), saved
 
 
-def backward(do, o, saved, needs_grad, q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
-    return _backward(do, saved, q, k, v, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale)[:5]
-
-
-def _backward(do, saved, q, k, v, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale, initial_state=None,
-              d_final=None):
+def backward(do, saved, q, k, v, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale, initial_state=None,
+             d_final=None):
     """fla's backward: ``(dq, dk, dv, dg, dbeta, d_initial)``; ``initial_state`` and ``d_final`` (the final states'
-    gradient) one per document, as :func:`_forward` took them."""
+    gradient) one per document, as :func:`forward` took them."""
     fla = backends.load(FLA_MODULE)
     v1, beta1, do1 = (flat_row(x) for x in (v, beta, do))
     *norms, g_cum, A = (flat_row(x) for x in saved)
@@ -82,8 +72,5 @@ def _backward(do, saved, q, k, v, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2nor
     return dq, dk, dv, dg, dbeta, d_initial
 
 
-PATH = Path(forward=forward, backward=backward, fake=fake)
-
-
-# ``compilepack::gated_delta_rule_varlen_state``: one state per row in and out, fla's one per document (``_fla.py``)
-PATH_STATE = state_path(_forward, fake, _backward)
+# ``compilepack::*_varlen`` and ``*_varlen_state`` (one state per row in and out, fla one per document)
+PATH, PATH_STATE = fla_paths(forward, fake, backward)

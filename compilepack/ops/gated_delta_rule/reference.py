@@ -23,16 +23,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._chunked import (
-    ChunkedInputs,
-    fake_chunk_states_and_inverses,
-    saved_inverses,
-    segmented_cumsum,
-    segmented_cumsum_backward,
-    unit_lower_inverse,
-)
-from .._delta_rule.reference import state_path
-from .._scaffold import Path
+from .._chunked import ChunkedInputs, segmented_cumsum, segmented_cumsum_backward, unit_lower_inverse
+from .._delta_rule.reference import reference_paths
 
 # The chunk: exact for any value. Its [C, C] pair tensors cost T * C per op and the backward's elementwise passes
 # over them dominate a CPU step, while the sequential chunk loop costs T / C steps. Measured on a bench-like row
@@ -85,19 +77,12 @@ class _Chunks(ChunkedInputs):
         self.k_out = self.k * self.out_decay[..., None]
 
 
-def forward(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
-    c = _Chunks(q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale)
-    states = _chunk_start_states(c.u, c.w, c.k_out, c.carry)
-    v_new = c.u - c.w @ states
-    o = c.qe @ states + c.attn @ v_new  # [NC, H, G, C, V]
-    o = c.tokens(o).reshape(v.shape).to(q.dtype)
-    # flat, so the chunk count is never a dimension of its own: the compiler specialises a size-1 dimension,
-    # which would cost one recompile for every batch of at most one chunk
-    return o, [states.view(-1), c.A_inv.reshape(-1)]
-
-
-def fake(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
-    return fake_chunk_states_and_inverses(q, v, CHUNK)
+def _run(c: _Chunks, initial: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The chunked output ``[NC, H, G, C, V]`` and the state at every chunk start (from zero, or ``initial``; with
+    ``initial``, then the final state too)."""
+    states = _chunk_start_states(c.u, c.w, c.k_out, c.carry, initial)
+    start = states if initial is None else states[:-1]
+    return c.qe @ start + c.attn @ (c.u - c.w @ start), states
 
 
 def _chunk_start_states(
@@ -125,14 +110,6 @@ def _heads_merged(*tensors: Tensor) -> list[Tensor]:
     (and for the split and transposed inputs: H and G stay adjacent in memory); a copy only for an input laid out
     otherwise, which the loops only read."""
     return [x.flatten(1, 2) for x in tensors]
-
-
-def backward(do, o, saved, needs_grad, q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
-    flat_states, flat_inverses = saved
-    c = _Chunks(q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale, saved_inverses(flat_inverses, q, v, CHUNK))
-    states = flat_states.view(*c.u.shape[:3], c.w.shape[-1], c.u.shape[-1])  # [NC, H, G, K, V]
-    grads, _ = _backward(c, states, do, scale)
-    return tuple(d.reshape(x.shape) for d, x in zip(grads, (q, k, v, g, beta)))
 
 
 def _backward(c: _Chunks, states: Tensor, do: Tensor, scale: float, d_final: Tensor | None = None):
@@ -204,18 +181,6 @@ def _chunk_end_state_grads(do_c: Tensor, c: _Chunks, d_final: Tensor | None = No
     return d_states_end
 
 
-PATH = Path(forward=forward, backward=backward, fake=fake)
-
-
-# ------------------------------------------------------------------------------------------------ with a state
-#
-# ``compilepack::gated_delta_rule_varlen_state`` (context parallelism over tokens): the shared row-by-row state path
-# (``_delta_rule/reference.py``) with this rule's chunks, run from a given state, and backward.
-
-
-def _run_state(c: _Chunks, initial: Tensor) -> tuple[Tensor, Tensor]:
-    states = _chunk_start_states(c.u, c.w, c.k_out, c.carry, initial)  # one more: the final state
-    return c.qe @ states[:-1] + c.attn @ (c.u - c.w @ states[:-1]), states
-
-
-PATH_STATE = state_path(_Chunks, _run_state, _backward, CHUNK)
+# ``compilepack::gated_delta_rule_varlen`` and ``..._state`` (context parallelism over tokens): the delta rules'
+# shared paths (``_delta_rule/reference.py``) with this rule's chunks, run and backward.
+PATH, PATH_STATE = reference_paths(_Chunks, _run, _backward, CHUNK)

@@ -3,7 +3,7 @@
 Read in fla-core 0.6.0 (``fla/ops/kda/chunk.py``): ``l2norm_fwd``/``l2norm_bwd`` and ``chunk_kda_fwd``/
 ``chunk_kda_bwd``, saving what fla's ``ChunkKDAFunction`` saves (fla's backward recomputes its ``w, u, h`` in its
 own kernels, as fla's autograd does by default); no forward is re-run in Python. Chunk indices are built from
-the host copy of the boundaries (see ``ops/_fla.py``). fla asserts ``K <= 256``: larger key heads run the
+the host copy of the boundaries (see ``ops/_delta_rule/fla.py``). fla asserts ``K <= 256``: larger key heads run the
 reference, on CUDA too (:func:`applies`).
 """
 
@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 
 from .. import backends
-from .._fla import chunk_indices, flat_row, kernel_device, state_path
-from .._scaffold import Path
+from .._delta_rule.fla import chunk_indices, fla_paths, flat_row, kernel_device
 
 FLA_CHUNK = 64  # fla's default KDA chunk size (what the saved Aqk, Akk are shaped by)
 FLA_MODULE = "fla.ops.kda.chunk"  # holds chunk_kda_fwd/bwd and imports l2norm_fwd/bwd + prepare_chunk_indices
@@ -30,12 +29,7 @@ def state_applies(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, initial_state, u
     return q.shape[-1] <= FLA_MAX_K
 
 
-def forward(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
-    o, _, saved = _forward(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale)
-    return o, saved
-
-
-def _forward(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale, initial_state=None):
+def forward(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale, initial_state=None):
     """fla's forward: ``(o, final states per document or None, saved)``; from ``initial_state`` ``[N, HV, K, V]``
     (one per document, float32 as fla asserts) when given, which also asks for the final states."""
     fla = backends.load(FLA_MODULE)
@@ -57,7 +51,7 @@ def _forward(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale,
 
 
 def fake(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
-    """What :func:`forward` returns: fla's ChunkKDAFunction saves normalised q, k with their rstd, the chunk-local
+    """What the stateless forward returns: fla's ChunkKDAFunction saves normalised q, k with their rstd, the chunk-local
     cumsum of g (fp32), Aqk and Akk."""
     per_head = q.shape[:3]
     norms = [[x.new_empty(x.shape), x.new_empty(per_head, dtype=torch.float32)] for x in (q, k)]
@@ -66,14 +60,10 @@ def fake(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
     return v.new_empty(v.shape, dtype=q.dtype), saved
 
 
-def backward(do, o, saved, needs_grad, q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
-    return _backward(do, saved, q, k, v, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale)[:5]
-
-
-def _backward(do, saved, q, k, v, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale, initial_state=None,
-              d_final=None):
+def backward(do, saved, q, k, v, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale, initial_state=None,
+             d_final=None):
     """fla's backward: ``(dq, dk, dv, dg, dbeta, d_initial)``; ``initial_state`` and ``d_final`` (the final states'
-    gradient) one per document, as :func:`_forward` took them."""
+    gradient) one per document, as :func:`forward` took them."""
     fla = backends.load(FLA_MODULE)
     saved = [flat_row(x) for x in saved]
     g_cum, Aqk, Akk = saved[-3:]
@@ -90,7 +80,5 @@ def _backward(do, saved, q, k, v, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2nor
     return dq, dk, dv, dg, dbeta, d_initial
 
 
-PATH = Path(forward=forward, backward=backward, fake=fake)
-
-# ``compilepack::kimi_delta_attention_varlen_state``: as the gated delta rule's (``_fla.py``)
-PATH_STATE = state_path(_forward, fake, _backward)
+# ``compilepack::*_varlen`` and ``*_varlen_state`` (one state per row in and out, fla one per document)
+PATH, PATH_STATE = fla_paths(forward, fake, backward)

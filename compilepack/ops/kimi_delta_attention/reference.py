@@ -37,16 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._chunked import (
-    ChunkedInputs,
-    fake_chunk_states_and_inverses,
-    saved_inverses,
-    segmented_cumsum,
-    segmented_cumsum_backward,
-    unit_lower_inverse,
-)
-from .._delta_rule.reference import state_path
-from .._scaffold import Path
+from .._chunked import ChunkedInputs, segmented_cumsum, segmented_cumsum_backward, unit_lower_inverse
+from .._delta_rule.reference import reference_paths
 
 # Chunk and sub-chunk (exact for any values). Per head and token, the sub-chunk pair tensors cost SUB * K, the
 # links across sub-chunks (CHUNK / SUB) * K; the state loop runs T / CHUNK steps of three small calls. Measured on
@@ -157,17 +149,12 @@ class _Chunks(ChunkedInputs):
         self.k_out = self.k * self.out_decay
 
 
-def forward(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
-    c = _Chunks(q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale)
-    states, v_new = _chunk_start_states(c)
-    o = c.qe @ states + c.qk @ v_new  # [NC, H, G, C, V]
-    # the states flat: a chunk-count dimension of size 1 would be specialised by the compiler (a recompile for
-    # every batch of at most one chunk)
-    return c.tokens(o).reshape(v.shape).to(q.dtype), [states.view(-1), c.A_inv.reshape(-1)]
-
-
-def fake(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
-    return fake_chunk_states_and_inverses(q, v, CHUNK)
+def _run(c: _Chunks, initial: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """The chunked output ``[NC, H, G, C, V]`` and the state at every chunk start (from zero, or ``initial``; with
+    ``initial``, then the final state too)."""
+    states, v_new = _chunk_start_states(c, initial)
+    start = states if initial is None else states[:-1]
+    return c.qe @ start + c.qk @ v_new, states
 
 
 def _chunk_start_states(c: _Chunks, initial: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -189,13 +176,6 @@ def _chunk_start_states(c: _Chunks, initial: Tensor | None = None) -> tuple[Tens
         if i + 1 < chunks:
             torch.bmm(k_out_t[i], v_new[i], out=states[i + 1]).addcmul_(carry[i], states[i])
     return states.view(chunks, *c.u.shape[1:3], *states.shape[2:]), v_new.view(c.u.shape)
-
-
-def backward(do, o, saved, needs_grad, q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
-    c = _Chunks(q, k, v, g, beta, cu_seqlens, use_qk_l2norm, scale, saved_inverses(saved[1], q, v, CHUNK))
-    states = saved[0].view(*c.u.shape[:3], c.w.shape[-1], c.u.shape[-1])  # [NC, H, G, K, V]
-    grads, _ = _backward(c, states, do, scale)
-    return tuple(d.reshape(x.shape) for d, x in zip(grads, (q, k, v, g, beta)))
 
 
 def _backward(c: _Chunks, states: Tensor, do: Tensor, scale: float, d_final: Tensor | None = None):
@@ -282,19 +262,7 @@ def _chunk_end_state_grads(d_v_new_local: Tensor, d_state_local: Tensor, c: _Chu
     return d_states_end.view(c.n_chunks, c.H, c.G, *d_states_end.shape[2:])
 
 
-PATH = Path(forward=forward, backward=backward, fake=fake)
-
-
-# ------------------------------------------------------------------------------------------------ with a state
-#
-# ``compilepack::kimi_delta_attention_varlen_state``: the delta rules' shared row-by-row state path
-# (``_delta_rule/reference.py``): each row's first document starts from ``initial_state[row]``, each row's last
-# state is returned; rows run one at a time, their chunk padding joining their last document.
-
-
-def _run_state(c: _Chunks, initial: Tensor) -> tuple[Tensor, Tensor]:
-    states, v_new = _chunk_start_states(c, initial)  # one more state: the final one
-    return c.qe @ states[:-1] + c.qk @ v_new, states
-
-
-PATH_STATE = state_path(_Chunks, _run_state, _backward, CHUNK)
+# ``compilepack::kimi_delta_attention_varlen`` and ``..._state``: the delta rules' shared paths
+# (``_delta_rule/reference.py``); with a state, each row's first document starts from ``initial_state[row]``, each
+# row's last state is returned; rows run one at a time, their chunk padding joining their last document.
+PATH, PATH_STATE = reference_paths(_Chunks, _run, _backward, CHUNK)

@@ -62,7 +62,7 @@ class FakeFla(types.SimpleNamespace):
         self.calls.append("fwd")
         self.check_inputs(q, k, v, scale, cu_seqlens, chunk_indices, initial_state, g, beta)
         assert output_final_state is False
-        o, _ = gdr_reference.forward(q, k, v, g, beta, cu_seqlens, None, False, scale)
+        o, _ = gdr_reference.PATH.forward(q, k, v, g, beta, cu_seqlens, None, False, scale)
         A = k.new_zeros(*v.shape[:3], FLA_CHUNK)
         g_cum = g.float() * 1.0  # stands for fla's chunk-local cumsum; the fake backward reads it back as g
         return g_cum, o.to(v.dtype), A, None, None, None
@@ -73,9 +73,11 @@ class FakeFla(types.SimpleNamespace):
         self.calls.append("bwd")
         self.check_inputs(q, k, v, scale, cu_seqlens, chunk_indices, initial_state, g, beta)
         assert g.dtype == torch.float32 and A.shape == (*v.shape[:3], FLA_CHUNK) and dht is None
-        o, saved = gdr_reference.forward(q, k, v, g, beta, cu_seqlens, None, False, scale)
+        o, saved = gdr_reference.PATH.forward(q, k, v, g, beta, cu_seqlens, None, False, scale)
         needs = [True] * 5
-        dq, dk, dv, dg, db = gdr_reference.backward(do, o, saved, needs, q, k, v, g, beta, cu_seqlens, None, False, scale)
+        dq, dk, dv, dg, db = gdr_reference.PATH.backward(
+            do, o, saved, needs, q, k, v, g, beta, cu_seqlens, None, False, scale
+        )
         return dq, dk, dv, db, dg, None, None, None
 
     def check_kda_inputs(self, q, k, v, g, beta, scale, cu_seqlens, chunk_indices, initial_state, chunk_size):
@@ -91,7 +93,7 @@ class FakeFla(types.SimpleNamespace):
         self.calls.append("fwd")
         self.check_kda_inputs(q, k, v, g, beta, scale, cu_seqlens, chunk_indices, initial_state, chunk_size)
         assert output_final_state is False
-        o, _ = kda_reference.forward(q, k, v, g, beta, cu_seqlens, None, False, scale)
+        o, _ = kda_reference.PATH.forward(q, k, v, g, beta, cu_seqlens, None, False, scale)
         A = k.new_zeros(*v.shape[:3], FLA_CHUNK)
         g_cum = g.float() * 1.0  # stands for fla's chunk-local cumsum; the fake backward reads it back as g
         return o.to(v.dtype), None, g_cum, A, A.clone(), None, None, None, None, None, None, None
@@ -104,7 +106,7 @@ class FakeFla(types.SimpleNamespace):
         self.check_kda_inputs(q, k, v, g, beta, scale, cu_seqlens, chunk_indices, initial_state, chunk_size)
         assert g.dtype == torch.float32 and dht is None
         assert Aqk.shape == Akk.shape == (*v.shape[:3], FLA_CHUNK)
-        o, saved = kda_reference.forward(q, k, v, g, beta, cu_seqlens, None, False, scale)
-        grads = kda_reference.backward(do, o, saved, [True] * 5, q, k, v, g, beta, cu_seqlens, None, False, scale)
+        o, saved = kda_reference.PATH.forward(q, k, v, g, beta, cu_seqlens, None, False, scale)
+        grads = kda_reference.PATH.backward(do, o, saved, [True] * 5, q, k, v, g, beta, cu_seqlens, None, False, scale)
         dq, dk, dv, dg, db = grads
         return dq, dk, dv, db, dg, None, None, None

@@ -1,4 +1,4 @@
-"""Glue shared by the ops that call flash-linear-attention (gated delta rule, Kimi delta attention).
+"""Glue shared by the delta rules that call flash-linear-attention (gated delta rule, Kimi delta attention).
 
 fla >= 0.6 (read in fla-core 0.6.0): its varlen mode wants one packed row, launches kernels on the current CUDA
 device, and builds chunk indices from the boundaries; from device ``cu_seqlens`` alone that is a device-to-host
@@ -12,8 +12,8 @@ import contextlib
 import torch
 from torch import Tensor
 
-from ._chunked import compute_dtype
-from ._scaffold import Path
+from .._chunked import compute_dtype
+from .._scaffold import Path
 
 
 def flat_row(x: Tensor) -> Tensor:
@@ -29,6 +29,24 @@ def kernel_device(x: Tensor):
 def chunk_indices(fla, cu_seqlens: Tensor, cu_seqlens_cpu: Tensor | None, chunk_size: int) -> Tensor:
     """fla's ``[n_chunks, 2]`` chunk indices; read from the host copy of the boundaries when there is one."""
     return fla.prepare_chunk_indices(cu_seqlens, chunk_size, cu_seqlens_cpu=cu_seqlens_cpu)
+
+
+def fla_paths(forward, fake, backward) -> tuple[Path, Path]:
+    """A delta rule's two paths on fla, without and with a state, from its glue: ``forward(*inputs,
+    initial_state=None)`` -> ``(o, final states per document or None, saved)``; ``fake(*inputs)`` -> ``(o, saved)``;
+    ``backward(do, saved, q, k, v, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale, initial_state=None,
+    d_final=None)`` -> ``(dq, dk, dv, dg, dbeta, d_initial)``."""
+
+    def stateless_forward(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale):
+        o, _, saved = forward(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale)
+        return o, saved
+
+    def stateless_backward(do, o, saved, needs_grad, q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm,
+                           scale):
+        return backward(do, saved, q, k, v, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale)[:5]
+
+    stateless = Path(forward=stateless_forward, backward=stateless_backward, fake=fake)
+    return stateless, state_path(forward, fake, backward)
 
 
 # ------------------------------------------------------------------------------------------------ with a state
@@ -57,10 +75,11 @@ def document_states(row_states: Tensor, documents: Tensor, count: int) -> Tensor
 
 
 def state_path(forward, fake, backward) -> Path:
-    """A delta rule's ``*_varlen_state`` path on fla from its stateless glue, returning ``(o, final_state, saved)``:
-    ``forward(*inputs, initial_state)`` -> ``(o, final per document, saved)``; ``fake(*inputs)`` -> ``(o, saved)``; ``backward(do, saved, q, k, v,
-    beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale, initial_state, d_final)`` -> ``(dq, dk, dv, dg, dbeta,
-    d_initial)``, states one per document. fla's own backward gives the initial states' gradient."""
+    """A delta rule's ``*_varlen_state`` path on fla from its glue, returning ``(o, final_state, saved)``:
+    ``forward(*inputs, initial_state)`` -> ``(o, final per document, saved)``; ``fake(*inputs)`` -> ``(o, saved)``;
+    ``backward(do, saved, q, k, v, beta, cu_seqlens, cu_seqlens_cpu, use_qk_l2norm, scale, initial_state, d_final)``
+    -> ``(dq, dk, dv, dg, dbeta, d_initial)``, states one per document. fla's own backward gives the initial states'
+    gradient."""
 
     def state_forward(q, k, v, g, beta, cu_seqlens, cu_seqlens_cpu, initial_state, use_qk_l2norm, scale):
         first, last = row_documents(cu_seqlens, *q.shape[:2])
