@@ -220,3 +220,26 @@ def test_packed_rows_without_boundaries_fail_loudly_in_the_model():
     with pytest.raises(RuntimeError, match="'position_ids': expected positions counting up without restart inside a row"):
         compiled(**positions_only)
     model(input_ids=batch["input_ids"], position_ids=torch.arange(5)[None])
+
+
+@pytest.mark.parametrize("turned_off", [True, False], ids=["patched", "control-left-on"])
+def test_hub_kernels_left_on_by_from_pretrained_never_drop_the_patch(tmp_path, monkeypatch, turned_off):
+    """transformers loads with use_kernels=True where the `kernels` package is installed, and train() / eval() then
+    re-kernelize: patch() turns that off (with a warning), so every patched forward stays. The control leaves it on
+    and loses the Gated DeltaNet's forwards, as the packed GRPO trainer first did."""
+    pytest.importorskip("kernels")
+    family_named("qwen3_5").tiny_model().build().save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    if not model.use_kernels:
+        pytest.skip("this transformers does not turn Hub kernels on at load")
+    if not turned_off:
+        monkeypatch.setattr(compilepack.patching.api, "_turn_off_hub_kernels", lambda model: None)
+        compilepack.patch(model)
+    else:
+        with pytest.warns(UserWarning, match="turned off transformers' Hub kernels"):
+            compilepack.patch(model)
+    patched = len(compilepack.patching.patch_state(model).modules)
+    model.train()
+    model.eval()
+    state = compilepack.patching.patch_state(model)
+    assert (len(state.modules) if state else 0) == patched if turned_off else (len(state.modules) < patched)

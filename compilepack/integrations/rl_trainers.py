@@ -152,19 +152,8 @@ def _patched(model: torch.nn.Module) -> torch.nn.Module:
     first call compiles it."""
     inner = _unwrapped(model)
     if not is_patched(inner):
-        _no_kernelize_on_mode_change(inner)
-        patch(inner)
+        patch(inner)  # which also turns off transformers' re-kernelizing on train() / eval()
     return model
-
-
-def _no_kernelize_on_mode_change(model: torch.nn.Module) -> None:
-    """transformers (5.25) sets ``use_kernels=True`` on a model it loads while the ``kernels`` package is installed
-    (TRL loads the policy and the reference from a path), and ``model.train()`` / ``eval()`` then kernelize it again
-    for the new mode, which drops compilepack's forwards from the layers with Hub kernels (Qwen3.5's Gated
-    DeltaNet): turned off before patching, the patched mixers replacing those kernels anyway."""
-    for module in model.modules():
-        if getattr(module, "use_kernels", False) is True:
-            module.use_kernels = False
 
 
 def _unwrapped(model):

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import inspect
 import types
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -129,6 +130,7 @@ def patch(
         if (state.family, state.backends, _ids(state.modules)) == (family.name, chosen, _ids(m for m, _ in targets)):
             return _install_extensions(model, lm_head=lm_head)
         _unpatch_layers(model, state)  # another backend, or a partial patch: its layers from stock, the head kept
+    _turn_off_hub_kernels(model)
     _refuse_foreign_forwards([m for m, _ in targets])
     _refuse_kernelized([m for m, _ in targets])
     for module, forward in targets:
@@ -250,6 +252,24 @@ def _refuse_foreign_forwards(modules) -> None:
                 "(accelerate hooks, a kernel patcher, ...). compilepack will not stack on it: patch the model "
                 "before that tool, or undo the other patch first."
             )
+
+
+def _turn_off_hub_kernels(model: torch.nn.Module) -> None:
+    """transformers (5.25) loads every model with ``use_kernels=True`` where the `kernels` package is installed, and
+    each ``model.train()`` / ``eval()`` then kernelizes the model again for the new mode, replacing the forwards of
+    the layers with Hub kernels: compilepack's among them, silently (Qwen3.5's Gated DeltaNet lost them, found by
+    the packed GRPO tests). It is turned off with transformers' own switch (its reset: the torch code), before the
+    layers are patched; packed batches run compilepack's ops either way."""
+    switched = [m for m in model.modules() if getattr(m, "use_kernels", False) is True]
+    for module in switched:
+        module.use_kernels = False
+    if switched:
+        warnings.warn(
+            f"compilepack turned off transformers' Hub kernels on this {type(model).__name__} (use_kernels=True, set "
+            "by from_pretrained where the `kernels` package is installed): model.train() / eval() would re-kernelize "
+            "it and drop compilepack's patched forwards. Packed batches run compilepack's ops; plain batches run "
+            "transformers' torch code. Load with use_kernels=False to skip this warning.", UserWarning, stacklevel=3,
+        )
 
 
 def _refuse_kernelized(modules) -> None:

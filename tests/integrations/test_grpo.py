@@ -26,8 +26,9 @@ from tests.integrations.test_lora_recipes import FULLGRAPH_DYNAMIC
 from tests.integrations.test_rl_adapters import without_boundaries
 from tests.integrations.test_trl import word_tokenizer
 
-# Qwen3.5 is the case of a model TRL loads with Hub kernels (rl_trainers._no_kernelize_on_mode_change): before it,
-# model.train() dropped compilepack's Gated DeltaNet forwards and these tests failed on Qwen3.5 (issue 51's note).
+# Qwen3.5 is the case of a model TRL loads with Hub kernels (patch() turns them off, patching/api.py
+# _turn_off_hub_kernels): before that, model.train() dropped compilepack's Gated DeltaNet forwards and these tests
+# failed on Qwen3.5 (issue 51's note).
 FAMILIES = ["llama", "qwen3_5", "qwen3_next", "bamba"]
 # fp32 GRPO losses, packed vs TRL's padded trainer, every step
 LOSS_TOLERANCE = 1e-5
