@@ -16,14 +16,8 @@ import torch.nn.functional as F
 import transformers
 
 import compilepack
-from compilepack.ops import (
-    backends,
-    causal_conv1d_varlen,
-    gated_delta_rule_varlen,
-    kimi_delta_attention_varlen,
-    mamba2_chunk_scan_varlen,
-    varlen_attention,
-)
+from compilepack.ops import (backends, causal_conv1d_varlen, gated_delta_rule_varlen, kimi_delta_attention_varlen,
+                             mamba2_chunk_scan_varlen, varlen_attention)
 from compilepack.patching import family_named
 
 HEADLINE = ["llama", "qwen3_5", "qwen3_next", "bamba"]

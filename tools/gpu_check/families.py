@@ -1,13 +1,5 @@
-"""The GPU check's first section: per family, stock beside patched in one run, on the same documents.
-
-Patched: compiled (fullgraph, dynamic), trained for a few steps on HF-collated batches whose boundaries stay on the
-host (``compilepack.to_device``): tokens/s, compiles over the stream, then the same compiled step again under
-``torch.cuda.set_sync_debug_mode("error")`` (a device-to-host sync raises and is recorded with its op), with the
-boundaries on the device beside it. Stock: the same documents the way stock can train on them (sdpa with the
-packed mask for attention-only families, right-padded rows for hybrids; FA2 padding-free with flash-attn), the
-path it ran named (``stock_path``). Then the patched model's packed logits against each document alone, and
-``explain``'s graphs and breaks.
-"""
+"""The GPU check's first section: per family, stock beside patched in one run, on the same documents (speed,
+compiles, a sync-free compiled step, packed logits vs each document alone, ``explain``; docs/benchmarks.md)."""
 
 from __future__ import annotations
 

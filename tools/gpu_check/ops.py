@@ -12,22 +12,8 @@ import torch
 
 from compilepack.ops import backends, varlen_attention
 
-from .common import (
-    LAYOUTS,
-    SIMULATED_LAYOUTS,
-    TOLERANCE,
-    Context,
-    against_reference,
-    cu_of,
-    describe,
-    finite,
-    guarded,
-    max_err,
-    op_cases,
-    relative_err,
-    run_op,
-    synchronize,
-)
+from .common import (LAYOUTS, SIMULATED_LAYOUTS, TOLERANCE, Context, against_reference, cu_of, describe, finite,
+                     guarded, max_err, op_cases, relative_err, run_op, synchronize)
 
 OP_LENGTHS = [300, 1, 64, 1024, 17, 700]
 SIMULATED_OP_LENGTHS = [5, 1, 70]

@@ -1,16 +1,8 @@
-"""The GPU check: one command that fits one device lease (docs/benchmarks.md), one JSON written after every section.
+"""The GPU check: one command that fits one device lease, one JSON written after every section; the sections, their
+budget, refusals and caches are described in docs/benchmarks.md ("GPU validation").
 
     python -m tools.gpu_check --out $OUT/gpu_check.json --cache-out $OUT     # on a CUDA machine, ~8 minutes cold
     python -m tools.gpu_check --simulate --families llama --out sim.json     # every section on CPU, in seconds
-
-Sections in order (``PLANNED_S``), each started only while the budget (``--budget-s``) has its planned seconds
-left, else recorded as skipped with the reason: families (stock beside patched per family, each guarded: speed,
-compiles, a sync-free step, exactness; ``families.py``), ops, layouts, hopper_probes (``probes.py``), known_bugs,
-sequence_ops, recompiles, qlora. A backend compilepack refuses here is recorded with its message, never run;
-whatever is admitted runs. A library refused for every kind it serves is hidden from stock's imports, so stock
-runs without it too. Triton's and inductor's caches live under ``--cache-dir``, Triton's autotuning is pruned to
-``--autotune-configs`` per kernel (stock and patched call the same pruned kernels); ``--cache-out`` packs the caches
-for the next lease, ``--cache-from`` unpacks them.
 """
 
 from __future__ import annotations
@@ -29,15 +21,7 @@ import torch
 
 import compilepack
 
-from .common import (
-    HEADLINE,
-    Budget,
-    Context,
-    admitted_backends,
-    environment,
-    guarded,
-    hide_from_stock,
-)
+from .common import HEADLINE, Budget, Context, admitted_backends, environment, guarded, hide_from_stock
 from .families import check_family
 from .lora import check_qlora
 from .ops import check_known_bugs, check_layouts, check_ops, check_recompiles

@@ -1,12 +1,7 @@
-"""GPU check section: the sequence mode's ops (context parallelism over tokens) on their kernels vs the references.
-
-The state ops (``gated_delta_rule_varlen_state`` and ``kimi_delta_attention_varlen_state`` on fla,
-``mamba2_chunk_scan_varlen_state`` on mamba-ssm) and gathered-key attention (``varlen_attention_kv`` on flash-attn
-and on torch's varlen ops), each on one rank's slice as the sequence mode builds it: a first document that started
-on an earlier rank (a nonzero initial state; keys reaching back before the slice), 1-token and empty documents, two
-rows. Outputs (the final states too) and every input gradient (the initial state's too) by the ops section's rule
-(``common.against_reference``). Small on purpose (2 x 1024 tokens): the section's time is the kernels' first JIT.
-"""
+"""GPU check section: the sequence mode's ops (its state ops and gathered-key attention) on their kernels vs the
+references, each on one rank's slice as the sequence mode builds it: a first document from an earlier rank (a nonzero
+initial state; keys reaching back before the slice), 1-token and empty documents, two rows. Small on purpose
+(2 x 1024 tokens): the section's time is the kernels' first JIT."""
 
 from __future__ import annotations
 
@@ -105,6 +100,6 @@ def check_sequence_ops(ctx):
             results.append({"op": name, "skipped": f"no admitted kernel for {kind!r} on this machine"})
             continue
         for backend in ctx.paths(kind):
-            results.append(guarded({"op": name, "backend": backend},
-                                   lambda n=name, m=make, b=backend: {"op": n, **against_reference(*m(), b, ctx.dtype)}))
+            results.append(guarded({"op": name, "backend": backend}, lambda n=name, m=make, b=backend: {
+                "op": n, **against_reference(*m(), b, ctx.dtype)}))
     return results
