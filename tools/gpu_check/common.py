@@ -49,10 +49,12 @@ class Budget:
     def left(self) -> float:
         return self.end - time.perf_counter()
 
+    def skipped(self, planned_s: float) -> dict:
+        return {"skipped": f"time budget: {self.left():.0f} s left, planned {planned_s:g} s"}
+
     def run(self, planned_s: float, check, context=None):
-        if self.left() < planned_s:
-            return {**(context or {}), "skipped": f"time budget: {self.left():.0f} s left, planned {planned_s:.0f} s"}
-        return guarded(context or {}, check)
+        context = context or {}
+        return {**context, **self.skipped(planned_s)} if self.left() < planned_s else guarded(context, check)
 
 
 @dataclasses.dataclass

@@ -9,28 +9,27 @@ import sys
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, DataCollatorWithFlattening
+from transformers import AutoModelForCausalLM
 
 import compilepack
 from compilepack.ops import backends
 from compilepack.patching import family_named
 from compilepack.patching.family import function_behind
+from compilepack.testing.batches import packed_batch, random_documents
 
 from .common import Context, auto_outcome, describe, guarded, max_err, synchronize
 
-COLLATE = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)
 BOUNDARIES = ("cu_seq_lens_q", "cu_seq_lens_k")
 
 
 def documents_of(vocab, lengths, seed):
-    rng = random.Random(seed)
-    return [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths]
+    return random_documents(random.Random(seed), vocab, lengths)
 
 
 def batch_of(docs, device, boundaries_on_device=False):
-    """The collator's batch on ``device``, its boundaries on the host (as ``compilepack.to_device`` leaves them:
-    the patched model moves them itself and keeps the host copy) unless ``boundaries_on_device``."""
-    batch = compilepack.to_device(COLLATE([{"input_ids": d} for d in docs]), device)
+    """The HF collator's packed batch on ``device``, its boundaries on the host (as ``compilepack.to_device`` leaves
+    them: the patched model moves them itself and keeps the host copy) unless ``boundaries_on_device``."""
+    batch = compilepack.to_device(packed_batch(docs).batch, device)
     if boundaries_on_device:
         batch.update({key: batch[key].to(device) for key in BOUNDARIES})
     return batch
@@ -146,9 +145,7 @@ def _steps_without_syncs(step, model, batches, device):
 def stock_variants(name, stock, batches, device):
     """What stock can train on the same documents: the packed batch (dense mask) for attention-only models,
     right-padded rows otherwise; FA2 padding-free when flash-attn is installed."""
-    family = family_named(name)
-    attention_only = all(r.global_name == "ALL_ATTENTION_FUNCTIONS" for reps in family.layers.values() for r in reps)
-    if not attention_only:
+    if not family_named(name).stock_packs_positions:  # not attention-only
         return {"stock_padded": [padded(docs, device) for docs, _ in batches]}
     packed = [dict(batch_of(docs, device, True), use_cache=False) for docs, _ in batches]
     if backends.is_installed("flash_attn") and torch.device(device).type == "cuda":

@@ -54,9 +54,10 @@ def hopper_probes(device, dtype, simulate) -> dict:
     return result
 
 
-def run_hopper_probes(ctx: Context, timeout_s: float) -> dict:
-    """The probes in a child process (``python -m tools.gpu_check --probe hopper``) on a Hopper GPU; recorded as
-    skipped on other GPUs."""
+def run_hopper_probes(ctx: Context) -> dict:
+    """The probes in a child process (``python -m tools.gpu_check --probe hopper``) on a Hopper GPU, given what is
+    left of the budget (30 to 300 s); recorded as skipped on other GPUs."""
+    timeout_s = max(30.0, min(300.0, ctx.budget.left()))
     if ctx.simulate:  # in this process: the probes' code is the same, the child's entry is tested on its own
         return hopper_probes(ctx.device, ctx.dtype, simulate=True)
     if not (ctx.cuda and torch.cuda.get_device_capability(ctx.device)[0] == 9):
@@ -64,7 +65,7 @@ def run_hopper_probes(ctx: Context, timeout_s: float) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "probe.json")
         command = [sys.executable, "-m", "tools.gpu_check", "--probe", "hopper", "--out", out,
-                   "--device", str(ctx.device)] + (["--simulate"] if ctx.simulate else [])
+                   "--device", str(ctx.device)]
         try:
             done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=timeout_s,
                                   cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))

@@ -37,7 +37,8 @@ SECTIONS = tuple(PLANNED_S)
 CACHES = ("triton", "inductor")
 
 
-def families_section(ctx: Context, report: dict, save):
+def check_families(ctx: Context, report: dict, save) -> list:
+    """The first section, one family at a time under the budget; it fills ``speed`` beside ``families``."""
     report["speed"], report["families"] = [], []
     for name in ctx.families:
         planned = SIMULATED_PLANNED_S if ctx.simulate else FAMILY_PLANNED_S.get(name, 75)
@@ -46,16 +47,12 @@ def families_section(ctx: Context, report: dict, save):
         report["speed"].append(speed)
         report["families"].append(checks)
         save()  # after every family too: the first section is most of the run
+    return report["families"]
 
 
-def sections(ctx: Context, report: dict, probe_timeout, save):
-    """name -> what fills ``report[name]`` (the families fill ``speed`` too)."""
-    checks = {"ops": check_ops, "layouts": check_layouts, "known_bugs": check_known_bugs,
-              "sequence_ops": check_sequence_ops, "recompiles": check_recompiles,
-              "hopper_probes": lambda ctx: run_hopper_probes(ctx, probe_timeout()),
-              "qlora": lambda ctx: [guarded({"family": n}, lambda n=n: check_qlora(n, ctx)) for n in ctx.families]}
-    run = {name: (lambda n=name, check=check: report.__setitem__(n, check(ctx))) for name, check in checks.items()}
-    return {"families": lambda: families_section(ctx, report, save), **run}
+CHECKS = {"ops": check_ops, "layouts": check_layouts, "hopper_probes": run_hopper_probes,
+          "known_bugs": check_known_bugs, "sequence_ops": check_sequence_ops, "recompiles": check_recompiles,
+          "qlora": lambda ctx: [guarded({"family": n}, lambda n=n: check_qlora(n, ctx)) for n in ctx.families]}
 
 
 def write(report: dict, out: Path):
@@ -173,17 +170,16 @@ def main(argv=None, started=None) -> int:
                   "budget_s": args.budget_s, "sections": {}}
         write(report, out)
 
-        run = sections(ctx, report, lambda: max(30.0, min(300.0, budget.left())), lambda: write(report, out))
         for name in args.sections:
             planned = SIMULATED_PLANNED_S if args.simulate else PLANNED_S[name]
             if name != "families" and budget.left() < planned:  # the families guard each family
-                reason = f"time budget: {budget.left():.0f} s left, planned {planned} s"
-                report[name] = {"skipped": reason}
-                report["sections"][name] = {"planned_s": planned, "skipped": reason}
+                report[name] = budget.skipped(planned)
+                report["sections"][name] = {"planned_s": planned, **report[name]}
             else:
                 start = time.perf_counter()
-                done = guarded({}, run[name])
-                report.update({name: done} if isinstance(done, dict) and "error" in done else {})
+                check = CHECKS.get(name, lambda ctx: check_families(ctx, report, lambda: write(report, out)))
+                failed = guarded({}, lambda c=check, n=name: report.__setitem__(n, c(ctx)))  # None, or the error
+                report.update({name: failed} if failed else {})
                 report["sections"][name] = {"planned_s": planned, "wall_s": round(time.perf_counter() - start, 1)}
             report["wall_s"] = round(time.perf_counter() - started, 1)
             write(report, out)
