@@ -9,6 +9,7 @@ import sys
 import time
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers import AutoModelForCausalLM
 
 import compilepack
@@ -155,12 +156,8 @@ def stock_variants(name, stock, batches, device):
 
 
 def padded(docs, device):
-    longest = max(len(d) for d in docs)
-    ids = torch.zeros(len(docs), longest, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, doc in enumerate(docs):
-        ids[row, : len(doc)] = torch.tensor(doc)
-        mask[row, : len(doc)] = 1
+    ids = pad_sequence([torch.tensor(doc) for doc in docs], batch_first=True)
+    mask = pad_sequence([torch.ones(len(doc), dtype=torch.long) for doc in docs], batch_first=True)
     return {"input_ids": ids.to(device), "attention_mask": mask.to(device),
             "labels": ids.masked_fill(mask == 0, -100).to(device), "use_cache": False}
 

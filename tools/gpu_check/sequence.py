@@ -14,7 +14,7 @@ from compilepack.ops.gated_delta_rule import gated_delta_rule_varlen_state
 from compilepack.ops.kimi_delta_attention import kimi_delta_attention_varlen_state
 from compilepack.ops.mamba2 import mamba2_chunk_scan_varlen_state
 
-from .common import against_reference, cu_of, guarded
+from .common import against_reference, cu_of, guarded, seq_idx_of
 
 # a rank's slice of two rows: row 0 = (empty), 300 tokens of a document from the previous rank, 1, (empty), 723;
 # row 1 = 1 token of a document from the previous rank, 64, 959
@@ -50,9 +50,7 @@ def _mamba2_case(lengths, device, width):
     x, dt, A = randn(*tokens, 8, width), randn(*tokens, 8) * 0.5 - 2, -torch.rand(8, generator=generator) - 0.5
     B, C = randn(*tokens, 1, 2 * width), randn(*tokens, 1, 2 * width)
     D, dt_bias = torch.rand(8, generator=generator), torch.rand(8, generator=generator) * 0.1
-    cu = cu_of(lengths, "cpu")
-    seq_idx = torch.searchsorted(cu, torch.arange(ROWS * tokens[1], dtype=cu.dtype), right=True) - 1 + 5
-    seq_idx = seq_idx.view(tokens).to(device)  # a slice's global ids: the first is not 0
+    seq_idx = seq_idx_of(lengths, device, ROWS) + 5  # a slice's global ids: the first is not 0
 
     def call(inputs, backend):
         x, dt, A, B, C, D, dt_bias = inputs
