@@ -16,6 +16,7 @@ import os
 import subprocess
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -68,22 +69,18 @@ def caches(folder: Path, configs: int):
     pruned to ``configs`` configs per kernel (0: all; the library's own pruning first); all restored after."""
     settings = {"TRITON_CACHE_DIR": str(folder / "triton"), "TRITON_CACHE_AUTOTUNING": "1",
                 "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor")}
-    before = {key: os.environ.get(key) for key in settings}
-    os.environ.update(settings)
-    autotuner = importlib.import_module("triton.runtime.autotuner") if importlib.util.find_spec("triton") else None
-    original = autotuner and autotuner.Autotuner.prune_configs
-    if autotuner and configs:
-        autotuner.Autotuner.prune_configs = lambda self, *args, **kwargs: original(self, *args, **kwargs)[:configs]
-    note = "stock and patched call the same pruned kernels (this process only: not the probes')"
-    try:
-        yield {**settings, "autotune_configs_per_kernel": (configs or "all") if autotuner else "no triton",
-               "autotune_note": note}
-    finally:
-        if autotuner:
-            autotuner.Autotuner.prune_configs = original
-        os.environ.update({key: value for key, value in before.items() if value is not None})
-        for key in (key for key, value in before.items() if value is None):
-            os.environ.pop(key)
+    with mock.patch.dict(os.environ, settings):  # set before Triton's import; the environment as it was after
+        autotuner = importlib.import_module("triton.runtime.autotuner") if importlib.util.find_spec("triton") else None
+        original = autotuner and autotuner.Autotuner.prune_configs
+        if autotuner and configs:
+            autotuner.Autotuner.prune_configs = lambda self, *args, **kwargs: original(self, *args, **kwargs)[:configs]
+        note = "stock and patched call the same pruned kernels (this process only: not the probes')"
+        try:
+            yield {**settings, "autotune_configs_per_kernel": (configs or "all") if autotuner else "no triton",
+                   "autotune_note": note}
+        finally:
+            if autotuner:
+                autotuner.Autotuner.prune_configs = original
 
 
 def _shell(command: str) -> None:
