@@ -1,9 +1,6 @@
 """The bars, checked per family on paired ratios against :data:`TARGETS` (docs/benchmarks.md shows the table and
-says the rules: a test checks the two agree). A speed bar's ``ratio_r`` is mode A's tokens/s over mode B's in
-round ``r`` (taken side by side, see ``rounds``); its ``value`` is their median, ``status`` "met" / "missed" /
-"not decided" by their range (every round) or their median, "n/a" when a figure is missing. The grouped bars are
-patched compiled, never patched eager swapped in for a higher median (its own rounds could miss).
-"""
+says the rules: a test checks the two agree). The grouped bars are patched compiled, never patched eager swapped in
+for a higher median (its own rounds could miss)."""
 
 from __future__ import annotations
 

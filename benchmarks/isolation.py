@@ -1,10 +1,7 @@
 """The workers the round-robin driver (``rounds``) commands: one process per mode, forked from a forkserver that
-has already imported torch, transformers, compilepack and the families' modeling modules (a worker starts in a
-fraction of a second with empty dynamo state). Every command has a time limit: a worker that does not get ready
-within ``warmup_timeout_s``, or does not finish a round within ``step_timeout_s``, is stopped with its compile
-workers and reported as a ``TimeoutError`` with its phase and what it had measured; a worker that dies is reported
-with its exit code and the end of its log.
-"""
+has already imported torch, transformers, compilepack and the families' modeling modules. A worker past its time
+limit is stopped with its compile workers and reported as a ``TimeoutError``; one that dies, with its exit code and
+the end of its log."""
 
 from __future__ import annotations
 

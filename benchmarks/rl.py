@@ -1,23 +1,8 @@
 """A GRPO step and a DPO step, packed against TRL's padded layout: ``python -m benchmarks.rl``.
 
-Each step is the trainers' log-prob passes, their loss and the backward, on one batch laid out as TRL 1.16 lays it
-out (GRPO: prompts padded left, completions padded right; DPO: prompt + chosen rows, then prompt + rejected rows,
-padded right), through TRL's fused LM head (``add_fused_lm_head``, as both trainers install it; routed to
-``compilepack::lm_head_logprobs`` on the patched model):
-
-- GRPO: the old policy's and the reference's passes (no grad), the policy's pass, TRL's clipped objective with its
-  KL term (``beta``), token-mean over the completions, backward;
-- DPO: the reference's pass (no grad), the policy's chosen + rejected pass, the sigmoid loss, backward.
-
-``padded`` calls the model as the trainers do (``model(input_ids, attention_mask, labels, fused_lm_head=True)``);
-``packed`` runs the same call through ``compilepack.integrations.rl_trainers.PackedModelCall`` (what
-``packed_logprobs(GRPOTrainer)`` / ``(DPOTrainer)`` do). Both modes use the same patched model: without boundaries
-it runs stock's code. Completion lengths spread as RL's do (log-uniform from 4 tokens, a fifth cut at the maximum).
-
-Rounds are paired: each round times one step of each mode, in alternating order, on the same batch; the table gives
-the median step time of each mode, the median of the per-round ratios padded / packed, and each mode's peak memory
-of one step above what was allocated before it (CUDA: ``max_memory_allocated``; CPU: the profiler's allocation
-events, replayed). Defaults: the families' benchmark models (``Fixtures.bench``), fp32 on CPU, bf16 autocast on CUDA.
+The layouts, the steps and how they are timed: docs/benchmarks.md ("RL steps"). ``padded`` calls the model as the
+trainers do; ``packed`` runs the same call through ``compilepack.integrations.rl_trainers.PackedModelCall``. Both
+use the same patched model: without boundaries it runs stock's code.
 """
 
 from __future__ import annotations
@@ -35,12 +20,16 @@ import compilepack
 from compilepack.integrations.rl_trainers import PackedModelCall
 from compilepack.patching import family_named
 
+from .measure import synchronizer
+from .rounds import round_order
+
 MODES = ("padded", "packed")
 PAD = 0
 
 
 def build_models(family_name: str, widths: str, device: torch.device):
-    """(policy, reference): two initialisations of the family's benchmark model (or its release's widths), patched, with TRL's fused head."""
+    """(policy, reference): two initialisations of the family's benchmark model (or its release's widths), patched,
+    with TRL's fused head."""
     from transformers import AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
@@ -131,12 +120,13 @@ def calls(mode: str, policy, reference):
 
 def run_step(step, mode, policy, reference, batch, device) -> float:
     """Seconds of one step; the policy's gradients cleared first."""
+    sync = synchronizer(device)
     policy.zero_grad(set_to_none=True)
-    _sync(device)
+    sync()
     start = time.perf_counter()
     with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
         step(*calls(mode, policy, reference), batch)
-    _sync(device)
+    sync()
     return time.perf_counter() - start
 
 
@@ -161,11 +151,6 @@ def peak_mib(step, mode, policy, reference, batch, device) -> float:
     return peak / 2**20
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def measure(name: str, step, policy, reference, batch: dict, rounds: int, device) -> dict:
     batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
     for mode in MODES:  # warm-up
@@ -175,7 +160,7 @@ def measure(name: str, step, policy, reference, batch: dict, rounds: int, device
         logp_difference = (logps(policy, batch) - logps(PackedModelCall(policy), batch)).abs().max().item()
     times = {mode: [] for mode in MODES}
     for r in range(rounds):
-        for mode in (MODES if r % 2 == 0 else MODES[::-1]):
+        for mode in round_order(list(MODES), r):  # alternating, as the default run's rounds
             times[mode].append(run_step(step, mode, policy, reference, batch, device))
     ratios = [a / b for a, b in zip(times["padded"], times["packed"])]
     return {

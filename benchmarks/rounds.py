@@ -1,11 +1,6 @@
-"""The round-robin driver: one warm worker per mode of a family, timed steps taken in rounds.
-
-The compiled modes of every family get ready first (one cold compile per core: dynamo and inductor are
-single-threaded Python), then each family's eager modes. Round ``r`` runs every ready worker's round ``r`` in the
-mode order rotated by ``r``, one step at a time, so the steps a paired ratio compares lie side by side in time
-(Qwen3.5 bench model, 10 rounds: ratios 1.19-1.29 alternating, 1.10-1.29 three steps at a time). One family's
-eager workers are alive at a time, which bounds memory (a padded hybrid step holds ~6 GB).
-"""
+"""The round-robin driver: one warm worker per mode of a family, timed steps taken in rounds, each round's steps
+side by side in time (docs/benchmarks.md, "How"). One family's eager workers are alive at a time, which bounds
+memory (a padded hybrid step holds ~6 GB)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,10 @@
 """Try upstream releases against the suite, each in a scratch virtual environment, and print a table.
 
-Developers run it before admitting a release (issue 40); CI runs it on the oldest admitted releases. The admitted
-ranges are read from pyproject.toml, nowhere else: ``transformers`` and ``torch`` from ``[project].dependencies``,
-``trl``, ``accelerate`` and ``peft`` from the ``test`` extra. Releases are what ``pip index versions`` lists.
-
-    python tools/check_releases.py                        # the newest published release of each package
-    python tools/check_releases.py trl peft               # only these
-    python tools/check_releases.py trl==1.14.2            # one given release
-    python tools/check_releases.py --oldest-admitted      # CI: the oldest admitted of all at once, in one venv
-    python tools/check_releases.py --list                 # newest published / oldest and newest admitted, no run
-
-Each run prints one table row (release, admitted?, passed / failed, first failure): the family tests for
-transformers and torch, the trainer tests for trl, accelerate and peft. Exit status 1 if an admitted release fails.
+Developers run it before admitting a release (issue 40; usage in docs/integrations.md, "Upstream releases"); CI
+runs it on the oldest admitted releases (``--oldest-admitted``). The admitted ranges are read from pyproject.toml,
+nowhere else; releases are what ``pip index versions`` lists. Each run prints one table row (release, admitted?,
+passed / failed, first failure): the family tests for transformers and torch, the trainer tests for trl, accelerate
+and peft. Exit status 1 if an admitted release fails.
 """
 
 from __future__ import annotations

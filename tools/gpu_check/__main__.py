@@ -24,9 +24,8 @@ def _checkout_patches() -> None:
     spec.loader.exec_module(module)
 
 
-_checkout_patches()
-
-from .run import main
-
 if __name__ == "__main__":
+    _checkout_patches()
+    from .run import main  # after the mapping: run's imports reach compilepack.patches
+
     raise SystemExit(main(started=STARTED))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
+import importlib.util
 import itertools
 import platform
 import sys
@@ -16,14 +18,9 @@ import torch.nn.functional as F
 import transformers
 
 import compilepack
-from compilepack.ops import (
-    backends,
-    causal_conv1d_varlen,
-    gated_delta_rule_varlen,
-    kimi_delta_attention_varlen,
-    mamba2_chunk_scan_varlen,
-    varlen_attention,
-)
+from compilepack.ops import (backends, causal_conv1d_varlen, gated_delta_rule_varlen, kimi_delta_attention_varlen,
+                             mamba2_chunk_scan_varlen, varlen_attention)
+from compilepack.batch.derived import seq_idx_from_cu_seqlens
 from compilepack.patching import family_named
 
 HEADLINE = ["llama", "qwen3_5", "qwen3_next", "bamba"]
@@ -55,10 +52,12 @@ class Budget:
     def left(self) -> float:
         return self.end - time.perf_counter()
 
+    def skipped(self, planned_s: float) -> dict:
+        return {"skipped": f"time budget: {self.left():.0f} s left, planned {planned_s:g} s"}
+
     def run(self, planned_s: float, check, context=None):
-        if self.left() < planned_s:
-            return {**(context or {}), "skipped": f"time budget: {self.left():.0f} s left, planned {planned_s:.0f} s"}
-        return guarded(context or {}, check)
+        context = context or {}
+        return {**context, **self.skipped(planned_s)} if self.left() < planned_s else guarded(context, check)
 
 
 @dataclasses.dataclass
@@ -95,8 +94,7 @@ class Context:
 def admitted_backends() -> tuple[dict[str, list[str]], dict[str, str]]:
     """Per op kind the installed kernel backends compilepack admits on this machine, and each refusal with its
     message. Asked through the public ``resolve`` one kind at a time (every other kind on the reference), so that a
-    refusal of one kind never hides another's backends, before and after ``resolve`` learnt to skip refused
-    candidates under ``auto``."""
+    refusal of one kind never hides another's backends."""
     admitted, refused = {}, {}
     for kind, candidates in backends.CANDIDATES.items():
         admitted[kind] = []
@@ -114,10 +112,9 @@ def admitted_backends() -> tuple[dict[str, list[str]], dict[str, str]]:
 
 
 def hide_from_stock(admitted, refused, families) -> dict[str, str]:
-    """Import the families' transformers modules while each kernel library that compilepack refuses for every op
-    kind it serves cannot be imported: stock transformers binds its kernels at import (stock Qwen3.5 sends its gated
-    delta rule to fla whenever fla imports, and fla #640 raises at the first backward), so stock runs its torch path
-    as patched runs the reference. The library is importable again after (compilepack's own answers unchanged)."""
+    """Import the families' transformers modules while each library compilepack refuses for every kind it serves
+    cannot be imported: stock binds its kernels at import (why: docs/benchmarks.md, "Refusals"). The library is
+    importable again after (compilepack's own answers unchanged)."""
     hidden = {}
     for key in refused:
         kind, name = key.split(":")
@@ -158,8 +155,7 @@ def cu_of(lengths, device):
 
 def seq_idx_of(lengths, device, rows=1):
     """Document index per token, ``[rows, T / rows]`` (a zero-length document leaves a gap in the numbering)."""
-    counts = torch.tensor(lengths, device=device)
-    return torch.repeat_interleave(torch.arange(len(lengths), device=device, dtype=torch.int32), counts).view(rows, -1)
+    return seq_idx_from_cu_seqlens(cu_of(lengths, device), sum(lengths)).view(rows, -1)
 
 
 def op_cases(device, head_dim=64):
@@ -313,12 +309,7 @@ def environment(ctx: Context, hidden: dict) -> dict:
         "admitted_backends": ctx.admitted, "checked_backends": ctx.chosen(),
         "refused_backends": ctx.refused, "hidden_from_stock": hidden,
     }
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
+    info["triton"] = importlib.import_module("triton").__version__ if importlib.util.find_spec("triton") else None
     if ctx.cuda:
         info["gpu"] = torch.cuda.get_device_name(ctx.device)
         info["capability"] = list(torch.cuda.get_device_capability(ctx.device))

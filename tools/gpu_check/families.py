@@ -1,13 +1,5 @@
-"""The GPU check's first section: per family, stock beside patched in one run, on the same documents.
-
-Patched: compiled (fullgraph, dynamic), trained for a few steps on HF-collated batches whose boundaries stay on the
-host (``compilepack.to_device``): tokens/s, compiles over the stream, then the same compiled step again under
-``torch.cuda.set_sync_debug_mode("error")`` (a device-to-host sync raises and is recorded with its op), with the
-boundaries on the device beside it. Stock: the same documents the way stock can train on them (sdpa with the
-packed mask for attention-only families, right-padded rows for hybrids; FA2 padding-free with flash-attn), the
-path it ran named (``stock_path``). Then the patched model's packed logits against each document alone, and
-``explain``'s graphs and breaks.
-"""
+"""The GPU check's first section: per family, stock beside patched in one run, on the same documents (speed,
+compiles, a sync-free compiled step, packed logits vs each document alone, ``explain``; docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -17,28 +9,28 @@ import sys
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, DataCollatorWithFlattening
+from torch.nn.utils.rnn import pad_sequence
+from transformers import AutoModelForCausalLM
 
 import compilepack
 from compilepack.ops import backends
 from compilepack.patching import family_named
 from compilepack.patching.builder import function_behind
+from compilepack.testing.batches import packed_batch, random_documents
 
 from .common import Context, auto_outcome, describe, guarded, max_err, synchronize
 
-COLLATE = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)
 BOUNDARIES = ("cu_seq_lens_q", "cu_seq_lens_k")
 
 
 def documents_of(vocab, lengths, seed):
-    rng = random.Random(seed)
-    return [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths]
+    return random_documents(random.Random(seed), vocab, lengths)
 
 
 def batch_of(docs, device, boundaries_on_device=False):
-    """The collator's batch on ``device``, its boundaries on the host (as ``compilepack.to_device`` leaves them:
-    the patched model moves them itself and keeps the host copy) unless ``boundaries_on_device``."""
-    batch = compilepack.to_device(COLLATE([{"input_ids": d} for d in docs]), device)
+    """The HF collator's packed batch on ``device``, its boundaries on the host (as ``compilepack.to_device`` leaves
+    them: the patched model moves them itself and keeps the host copy) unless ``boundaries_on_device``."""
+    batch = compilepack.to_device(packed_batch(docs).batch, device)
     if boundaries_on_device:
         batch.update({key: batch[key].to(device) for key in BOUNDARIES})
     return batch
@@ -154,9 +146,7 @@ def _steps_without_syncs(step, model, batches, device):
 def stock_variants(name, stock, batches, device):
     """What stock can train on the same documents: the packed batch (dense mask) for attention-only models,
     right-padded rows otherwise; FA2 padding-free when flash-attn is installed."""
-    family = family_named(name)
-    attention_only = all(r.global_name == "ALL_ATTENTION_FUNCTIONS" for reps in family.layers.values() for r in reps)
-    if not attention_only:
+    if not family_named(name).stock_packs_positions:  # not attention-only
         return {"stock_padded": [padded(docs, device) for docs, _ in batches]}
     packed = [dict(batch_of(docs, device, True), use_cache=False) for docs, _ in batches]
     if backends.is_installed("flash_attn") and torch.device(device).type == "cuda":
@@ -166,12 +156,8 @@ def stock_variants(name, stock, batches, device):
 
 
 def padded(docs, device):
-    longest = max(len(d) for d in docs)
-    ids = torch.zeros(len(docs), longest, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, doc in enumerate(docs):
-        ids[row, : len(doc)] = torch.tensor(doc)
-        mask[row, : len(doc)] = 1
+    ids = pad_sequence([torch.tensor(doc) for doc in docs], batch_first=True)
+    mask = pad_sequence([torch.ones(len(doc), dtype=torch.long) for doc in docs], batch_first=True)
     return {"input_ids": ids.to(device), "attention_mask": mask.to(device),
             "labels": ids.masked_fill(mask == 0, -100).to(device), "use_cache": False}
 

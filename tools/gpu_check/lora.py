@@ -5,7 +5,6 @@ simulated (on CPU) the same recipe runs unquantized."""
 
 from __future__ import annotations
 
-import random
 import tempfile
 
 import torch
@@ -13,9 +12,9 @@ from transformers import AutoModelForCausalLM
 
 import compilepack
 from compilepack.patching import family_named
+from compilepack.testing.batches import varied_batches
 
 from .common import Context, guarded, max_err
-from .families import batch_of, documents_of
 
 
 def check_qlora(name, ctx: Context):
@@ -24,15 +23,12 @@ def check_qlora(name, ctx: Context):
     model = guarded({}, lambda: _qlora_model(name, ctx))
     if isinstance(model, dict):  # no bitsandbytes: the reason is the finding
         return {"family": name, **model}
-    vocab = model.config.get_text_config().vocab_size
-    rng = random.Random(2)
-    high = 60 if ctx.simulate else 600
-    stream = [batch_of(documents_of(vocab, [rng.randint(1, high) for _ in range(rng.randint(1, 6))], seed=i),
-                       ctx.device) for i in range(2 if ctx.simulate else 4)]
+    batches = varied_batches(model.config.get_text_config().vocab_size, 2 if ctx.simulate else 4, seed=2,
+                             max_len=60 if ctx.simulate else 600)
+    stream = [compilepack.to_device(batch, ctx.device) for batch in batches]
     result = {"family": name, "quantized": not ctx.simulate}
     model.train()
-    result["explain_forward_backward"] = guarded(
-        {}, lambda: str(compilepack.explain(model, stream[0], backward=True)))
+    result["explain_forward_backward"] = guarded({}, lambda: str(compilepack.explain(model, stream[0], backward=True)))
     result["compiled_vs_eager"] = guarded({}, lambda: _compiled_vs_eager(model, stream, ctx.compile_backend))
     return result
 

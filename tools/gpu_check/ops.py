@@ -12,22 +12,8 @@ import torch
 
 from compilepack.ops import backends, varlen_attention
 
-from .common import (
-    LAYOUTS,
-    SIMULATED_LAYOUTS,
-    TOLERANCE,
-    Context,
-    against_reference,
-    cu_of,
-    describe,
-    finite,
-    guarded,
-    max_err,
-    op_cases,
-    relative_err,
-    run_op,
-    synchronize,
-)
+from .common import (LAYOUTS, SIMULATED_LAYOUTS, TOLERANCE, Context, against_reference, cu_of, describe, finite,
+                     guarded, max_err, op_cases, relative_err, run_op, synchronize)
 
 OP_LENGTHS = [300, 1, 64, 1024, 17, 700]
 SIMULATED_OP_LENGTHS = [5, 1, 70]
@@ -141,13 +127,13 @@ def check_known_bugs(ctx: Context):
 # ------------------------------------------------------------------------------------------------ recompiles
 
 
-def _triton_kernels(prefixes=("fla.", "mamba_ssm.")):
-    """Every Triton kernel the kernel libraries define, by name: (JIT function, the autotuners around it)."""
+def _cache_sizes(prefixes=("fla.", "mamba_ssm.")) -> dict[str, tuple[int, int]]:
+    """Per Triton kernel the kernel libraries define: (its compiled variants, the autotuned keys around it)."""
     try:
         from triton.runtime.jit import JITFunction
     except ImportError:
         return {}
-    found = {}
+    sizes = {}
     for module_name, module in list(sys.modules.items()):
         if module is None or not module_name.startswith(prefixes):
             continue
@@ -160,17 +146,9 @@ def _triton_kernels(prefixes=("fla.", "mamba_ssm.")):
                     tuners.append(fn)
                 fn = fn.fn
             if isinstance(fn, JITFunction):
-                found[f"{fn.__module__}.{fn.__name__}"] = (fn, tuners)
-    return found
-
-
-def _cache_sizes() -> dict[str, tuple[int, int]]:
-    """Per kernel: (compiled variants, autotuned keys)."""
-    sizes = {}
-    for name, (fn, tuners) in _triton_kernels().items():
-        caches = getattr(fn, "device_caches", {})
-        variants = sum(len(entry[0]) for entry in caches.values()) if isinstance(caches, dict) else 0
-        sizes[name] = (variants, sum(len(t.cache) for t in tuners))
+                caches = getattr(fn, "device_caches", {})
+                variants = sum(len(entry[0]) for entry in caches.values()) if isinstance(caches, dict) else 0
+                sizes[f"{fn.__module__}.{fn.__name__}"] = (variants, sum(len(t.cache) for t in tuners))
     return sizes
 
 

@@ -1,15 +1,7 @@
-"""The Hopper probes (issue 49, item 5), in one child process, so that fla runs there only (the check's own process
-never runs a refused fla) and a fault cannot end the run:
-
-- fla's gated delta rule, forward and backward, at head dims 64 and 128 (on Hopper, BK = min(head dim, 128)) with
-  fla's #640 guard bypassed, against compilepack's reference: fla 0.6.0 has no escape for it, so the child sets
-  ``fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1`` (the guard's only input that is not the GPU) to True;
-- Kimi delta attention (fla) on the padding-document layout, per tensor (0.33 on the first GPU run, tensor unknown);
-- gathered-key attention (``varlen_attention_kv``) on torch's varlen ops with as many key as query heads (where
-  torch 2.14 would choose cuDNN, whose causal mask is aligned top left), against the reference.
-
-Simulated (on CPU), the same code runs with the references standing in for the kernels.
-"""
+"""The Hopper probes (issue 49, item 5; listed in docs/benchmarks.md), in one child process, so that fla runs there
+only (the check's own process never runs a refused fla) and a fault cannot end the run. fla 0.6.0 has no escape from
+its #640 guard, so the child sets ``fla.ops.common.chunk_o.TRITON_ABOVE_3_7_1`` (the guard's only input that is not
+the GPU) to True. Simulated (on CPU), the same code runs with the references standing in for the kernels."""
 
 from __future__ import annotations
 
@@ -23,14 +15,7 @@ import torch
 
 from compilepack.ops import backends
 
-from .common import (
-    Context,
-    admitted_backends,
-    against_reference,
-    describe,
-    guarded,
-    op_cases,
-)
+from .common import Context, admitted_backends, against_reference, describe, guarded, op_cases
 from .ops import check_layout
 from .sequence import ATTENTION_LENGTHS, SIMULATED_ATTENTION_LENGTHS, attention_case
 
@@ -69,9 +54,10 @@ def hopper_probes(device, dtype, simulate) -> dict:
     return result
 
 
-def run_hopper_probes(ctx: Context, timeout_s: float) -> dict:
-    """The probes in a child process (``python -m tools.gpu_check --probe hopper``) on a Hopper GPU; recorded as
-    skipped on other GPUs."""
+def run_hopper_probes(ctx: Context) -> dict:
+    """The probes in a child process (``python -m tools.gpu_check --probe hopper``) on a Hopper GPU, given what is
+    left of the budget (30 to 300 s); recorded as skipped on other GPUs."""
+    timeout_s = max(30.0, min(300.0, ctx.budget.left()))
     if ctx.simulate:  # in this process: the probes' code is the same, the child's entry is tested on its own
         return hopper_probes(ctx.device, ctx.dtype, simulate=True)
     if not (ctx.cuda and torch.cuda.get_device_capability(ctx.device)[0] == 9):
@@ -79,7 +65,7 @@ def run_hopper_probes(ctx: Context, timeout_s: float) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "probe.json")
         command = [sys.executable, "-m", "tools.gpu_check", "--probe", "hopper", "--out", out,
-                   "--device", str(ctx.device)] + (["--simulate"] if ctx.simulate else [])
+                   "--device", str(ctx.device)]
         try:
             done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=timeout_s,
                                   cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))

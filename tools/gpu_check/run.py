@@ -1,16 +1,8 @@
-"""The GPU check: one command that fits one device lease (docs/benchmarks.md), one JSON written after every section.
+"""The GPU check: one command that fits one device lease, one JSON written after every section; the sections, their
+budget, refusals and caches are described in docs/benchmarks.md ("GPU validation").
 
     python -m tools.gpu_check --out $OUT/gpu_check.json --cache-out $OUT     # on a CUDA machine, ~8 minutes cold
     python -m tools.gpu_check --simulate --families llama --out sim.json     # every section on CPU, in seconds
-
-Sections in order (``PLANNED_S``), each started only while the budget (``--budget-s``) has its planned seconds
-left, else recorded as skipped with the reason: families (stock beside patched per family, each guarded: speed,
-compiles, a sync-free step, exactness; ``families.py``), ops, layouts, hopper_probes (``probes.py``), known_bugs,
-sequence_ops, recompiles, qlora. A backend compilepack refuses here is recorded with its message, never run;
-whatever is admitted runs. A library refused for every kind it serves is hidden from stock's imports, so stock
-runs without it too. Triton's and inductor's caches live under ``--cache-dir``, Triton's autotuning is pruned to
-``--autotune-configs`` per kernel (stock and patched call the same pruned kernels); ``--cache-out`` packs the caches
-for the next lease, ``--cache-from`` unpacks them.
 """
 
 from __future__ import annotations
@@ -24,20 +16,13 @@ import os
 import subprocess
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 import compilepack
 
-from .common import (
-    HEADLINE,
-    Budget,
-    Context,
-    admitted_backends,
-    environment,
-    guarded,
-    hide_from_stock,
-)
+from .common import HEADLINE, Budget, Context, admitted_backends, environment, guarded, hide_from_stock
 from .families import check_family
 from .lora import check_qlora
 from .ops import check_known_bugs, check_layouts, check_ops, check_recompiles
@@ -53,7 +38,8 @@ SECTIONS = tuple(PLANNED_S)
 CACHES = ("triton", "inductor")
 
 
-def families_section(ctx: Context, report: dict, save):
+def check_families(ctx: Context, report: dict, save) -> list:
+    """The first section, one family at a time under the budget; it fills ``speed`` beside ``families``."""
     report["speed"], report["families"] = [], []
     for name in ctx.families:
         planned = SIMULATED_PLANNED_S if ctx.simulate else FAMILY_PLANNED_S.get(name, 75)
@@ -62,16 +48,12 @@ def families_section(ctx: Context, report: dict, save):
         report["speed"].append(speed)
         report["families"].append(checks)
         save()  # after every family too: the first section is most of the run
+    return report["families"]
 
 
-def sections(ctx: Context, report: dict, probe_timeout, save):
-    """name -> what fills ``report[name]`` (the families fill ``speed`` too)."""
-    checks = {"ops": check_ops, "layouts": check_layouts, "known_bugs": check_known_bugs,
-              "sequence_ops": check_sequence_ops, "recompiles": check_recompiles,
-              "hopper_probes": lambda ctx: run_hopper_probes(ctx, probe_timeout()),
-              "qlora": lambda ctx: [guarded({"family": n}, lambda n=n: check_qlora(n, ctx)) for n in ctx.families]}
-    run = {name: (lambda n=name, check=check: report.__setitem__(n, check(ctx))) for name, check in checks.items()}
-    return {"families": lambda: families_section(ctx, report, save), **run}
+CHECKS = {"ops": check_ops, "layouts": check_layouts, "hopper_probes": run_hopper_probes,
+          "known_bugs": check_known_bugs, "sequence_ops": check_sequence_ops, "recompiles": check_recompiles,
+          "qlora": lambda ctx: [guarded({"family": n}, lambda n=n: check_qlora(n, ctx)) for n in ctx.families]}
 
 
 def write(report: dict, out: Path):
@@ -87,22 +69,18 @@ def caches(folder: Path, configs: int):
     pruned to ``configs`` configs per kernel (0: all; the library's own pruning first); all restored after."""
     settings = {"TRITON_CACHE_DIR": str(folder / "triton"), "TRITON_CACHE_AUTOTUNING": "1",
                 "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor")}
-    before = {key: os.environ.get(key) for key in settings}
-    os.environ.update(settings)
-    autotuner = importlib.import_module("triton.runtime.autotuner") if importlib.util.find_spec("triton") else None
-    original = autotuner and autotuner.Autotuner.prune_configs
-    if autotuner and configs:
-        autotuner.Autotuner.prune_configs = lambda self, *args, **kwargs: original(self, *args, **kwargs)[:configs]
-    note = "stock and patched call the same pruned kernels (this process only: not the probes')"
-    try:
-        yield {**settings, "autotune_configs_per_kernel": (configs or "all") if autotuner else "no triton",
-               "autotune_note": note}
-    finally:
-        if autotuner:
-            autotuner.Autotuner.prune_configs = original
-        os.environ.update({key: value for key, value in before.items() if value is not None})
-        for key in (key for key, value in before.items() if value is None):
-            os.environ.pop(key)
+    with mock.patch.dict(os.environ, settings):  # set before Triton's import; the environment as it was after
+        autotuner = importlib.import_module("triton.runtime.autotuner") if importlib.util.find_spec("triton") else None
+        original = autotuner and autotuner.Autotuner.prune_configs
+        if autotuner and configs:
+            autotuner.Autotuner.prune_configs = lambda self, *args, **kwargs: original(self, *args, **kwargs)[:configs]
+        note = "stock and patched call the same pruned kernels (this process only: not the probes')"
+        try:
+            yield {**settings, "autotune_configs_per_kernel": (configs or "all") if autotuner else "no triton",
+                   "autotune_note": note}
+        finally:
+            if autotuner:
+                autotuner.Autotuner.prune_configs = original
 
 
 def _shell(command: str) -> None:
@@ -189,17 +167,16 @@ def main(argv=None, started=None) -> int:
                   "budget_s": args.budget_s, "sections": {}}
         write(report, out)
 
-        run = sections(ctx, report, lambda: max(30.0, min(300.0, budget.left())), lambda: write(report, out))
         for name in args.sections:
             planned = SIMULATED_PLANNED_S if args.simulate else PLANNED_S[name]
             if name != "families" and budget.left() < planned:  # the families guard each family
-                reason = f"time budget: {budget.left():.0f} s left, planned {planned} s"
-                report[name] = {"skipped": reason}
-                report["sections"][name] = {"planned_s": planned, "skipped": reason}
+                report[name] = budget.skipped(planned)
+                report["sections"][name] = {"planned_s": planned, **report[name]}
             else:
                 start = time.perf_counter()
-                done = guarded({}, run[name])
-                report.update({name: done} if isinstance(done, dict) and "error" in done else {})
+                check = CHECKS.get(name, lambda ctx: check_families(ctx, report, lambda: write(report, out)))
+                failed = guarded({}, lambda c=check, n=name: report.__setitem__(n, c(ctx)))  # None, or the error
+                report.update({name: failed} if failed else {})
                 report["sections"][name] = {"planned_s": planned, "wall_s": round(time.perf_counter() - start, 1)}
             report["wall_s"] = round(time.perf_counter() - started, 1)
             write(report, out)

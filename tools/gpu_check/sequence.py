@@ -1,12 +1,7 @@
-"""GPU check section: the sequence mode's ops (context parallelism over tokens) on their kernels vs the references.
-
-The state ops (``gated_delta_rule_varlen_state`` and ``kimi_delta_attention_varlen_state`` on fla,
-``mamba2_chunk_scan_varlen_state`` on mamba-ssm) and gathered-key attention (``varlen_attention_kv`` on flash-attn
-and on torch's varlen ops), each on one rank's slice as the sequence mode builds it: a first document that started
-on an earlier rank (a nonzero initial state; keys reaching back before the slice), 1-token and empty documents, two
-rows. Outputs (the final states too) and every input gradient (the initial state's too) by the ops section's rule
-(``common.against_reference``). Small on purpose (2 x 1024 tokens): the section's time is the kernels' first JIT.
-"""
+"""GPU check section: the sequence mode's ops (its state ops and gathered-key attention) on their kernels vs the
+references, each on one rank's slice as the sequence mode builds it: a first document from an earlier rank (a nonzero
+initial state; keys reaching back before the slice), 1-token and empty documents, two rows. Small on purpose
+(2 x 1024 tokens): the section's time is the kernels' first JIT."""
 
 from __future__ import annotations
 
@@ -19,7 +14,7 @@ from compilepack.ops.gated_delta_rule import gated_delta_rule_varlen_state
 from compilepack.ops.kimi_delta_attention import kimi_delta_attention_varlen_state
 from compilepack.ops.mamba2 import mamba2_chunk_scan_varlen_state
 
-from .common import against_reference, cu_of, guarded
+from .common import against_reference, cu_of, guarded, seq_idx_of
 
 # a rank's slice of two rows: row 0 = (empty), 300 tokens of a document from the previous rank, 1, (empty), 723;
 # row 1 = 1 token of a document from the previous rank, 64, 959
@@ -30,14 +25,16 @@ ATTENTION_LENGTHS, ATTENTION_WORLD = [300, 1, 900, 847, 1024, 1000, 24], 2
 SIMULATED_ATTENTION_LENGTHS = [3, 1, 9, 3, 8, 6, 2]
 
 
+def _randn(generator):
+    return lambda *shape: torch.randn(*shape, generator=generator)
+
+
 def _delta_rule_case(state_op, per_channel, lengths, device, width):
     generator = torch.Generator().manual_seed(0)
-    rows, length = ROWS, sum(lengths) // ROWS
-    q, k = (torch.randn(rows, length, 2, width, generator=generator) for _ in range(2))
-    v = torch.randn(rows, length, 4, width, generator=generator)
-    decay = F.logsigmoid(torch.randn(rows, length, 4, *((width,) if per_channel else ()), generator=generator) + 3)
-    beta = torch.rand(rows, length, 4, generator=generator)
-    initial = torch.randn(rows, 4, width, width, generator=generator) * 0.1
+    randn, tokens = _randn(generator), (ROWS, sum(lengths) // ROWS)
+    q, k, v = randn(*tokens, 2, width), randn(*tokens, 2, width), randn(*tokens, 4, width)
+    decay = F.logsigmoid(randn(*tokens, 4, *((width,) if per_channel else ())) + 3)
+    beta, initial = torch.rand(*tokens, 4, generator=generator), randn(ROWS, 4, width, width) * 0.1
     cu = cu_of(lengths, device)
 
     def call(inputs, backend):
@@ -49,15 +46,11 @@ def _delta_rule_case(state_op, per_channel, lengths, device, width):
 
 def _mamba2_case(lengths, device, width):
     generator = torch.Generator().manual_seed(0)
-    rows, length = ROWS, sum(lengths) // ROWS
-    x = torch.randn(rows, length, 8, width, generator=generator)
-    dt = torch.randn(rows, length, 8, generator=generator) * 0.5 - 2
-    A = -torch.rand(8, generator=generator) - 0.5
-    B, C = (torch.randn(rows, length, 1, 2 * width, generator=generator) for _ in range(2))
+    randn, tokens = _randn(generator), (ROWS, sum(lengths) // ROWS)
+    x, dt, A = randn(*tokens, 8, width), randn(*tokens, 8) * 0.5 - 2, -torch.rand(8, generator=generator) - 0.5
+    B, C = randn(*tokens, 1, 2 * width), randn(*tokens, 1, 2 * width)
     D, dt_bias = torch.rand(8, generator=generator), torch.rand(8, generator=generator) * 0.1
-    cu = cu_of(lengths, "cpu")
-    seq_idx = (torch.searchsorted(cu, torch.arange(rows * length, dtype=cu.dtype), right=True) - 1 + 5)
-    seq_idx = seq_idx.view(rows, length).to(device)  # a slice's global ids: the first is not 0
+    seq_idx = seq_idx_of(lengths, device, ROWS) + 5  # a slice's global ids: the first is not 0
 
     def call(inputs, backend):
         x, dt, A, B, C, D, dt_bias = inputs
@@ -69,13 +62,11 @@ def _mamba2_case(lengths, device, width):
 
 def attention_case(lengths, device, width, kv_heads=2):
     length = sum(lengths) // ROWS
-    local = length // ATTENTION_WORLD
-    cu = cu_of(lengths, "cpu")
+    local, cu = length // ATTENTION_WORLD, cu_of(lengths, "cpu")
     cu_q = scan.local_cu_seqlens(cu, ROWS, length, local * (ATTENTION_WORLD - 1), local)
     cu_k = scan.local_cu_seqlens(cu, ROWS, length, 0, length)
-    generator = torch.Generator().manual_seed(0)
-    q = torch.randn(ROWS * local, 8, 2 * width, generator=generator)
-    k, v = (torch.randn(ROWS * length, kv_heads, 2 * width, generator=generator) for _ in range(2))
+    randn = _randn(torch.Generator().manual_seed(0))
+    q, k, v = randn(ROWS * local, 8, 2 * width), *(randn(ROWS * length, kv_heads, 2 * width) for _ in range(2))
 
     def call(inputs, backend):
         return (varlen_attention_kv(*inputs, cu_q.to(device), cu_k.to(device), local, length,
@@ -105,6 +96,6 @@ def check_sequence_ops(ctx):
             results.append({"op": name, "skipped": f"no admitted kernel for {kind!r} on this machine"})
             continue
         for backend in ctx.paths(kind):
-            results.append(guarded({"op": name, "backend": backend},
-                                   lambda n=name, m=make, b=backend: {"op": n, **against_reference(*m(), b, ctx.dtype)}))
+            results.append(guarded({"op": name, "backend": backend}, lambda n=name, m=make, b=backend: {
+                "op": n, **against_reference(*m(), b, ctx.dtype)}))
     return results
