@@ -58,7 +58,8 @@ def max_diff_packed_vs_alone(packed_logits: torch.Tensor, alone: list[torch.Tens
 def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Causal-LM cross-entropy summed over target tokens (labels shifted by one, -100 ignored)."""
     shifted = F.pad(labels, (0, 1), value=-100)[..., 1:]
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), shifted.reshape(-1), reduction="sum", ignore_index=-100)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), shifted.reshape(-1), reduction="sum",
+                           ignore_index=-100)
 
 
 def relative_grad_error(grads: dict, reference: dict) -> float:

@@ -16,8 +16,8 @@ def test_user_suite_runs_with_the_plugin_flag(tmp_path):
     user_test.write_text((ROOT / "tests" / "user_example" / "test_my_model.py").read_text())
 
     def pytest(*options):
-        return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *options, str(user_test)],
-                              capture_output=True, text=True, cwd=tmp_path)
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *options, str(user_test)]
+        return subprocess.run(command, capture_output=True, text=True, cwd=tmp_path)
 
     with_plugin = pytest("-p", "compilepack.testing", "-k", "refused")
     assert with_plugin.returncode == 0, with_plugin.stdout[-2000:]

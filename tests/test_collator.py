@@ -78,7 +78,8 @@ def test_fixed_shape_unflattened_rows():
     [
         (PackedCollator(8), [9], r"sample 0 has 9 tokens, more than max_length=8"),
         (PackedCollator(8, fixed_shape=True, rows=1), [5, 5], r"2 samples \(10 tokens\) do not fit in 1 rows of 8"),
-        (PackedCollator(8, fixed_shape=True, rows=2, max_docs=2), [5, 5], r"4 documents \(padding included\), more than max_docs=2"),
+        (PackedCollator(8, fixed_shape=True, rows=2, max_docs=2), [5, 5],
+         r"4 documents \(padding included\), more than max_docs=2"),
         (PackedCollator(), [0, 0], "every sample is empty"),
     ],
 )
@@ -93,7 +94,8 @@ def test_padded_samples_are_refused():
 
 
 def test_labels_are_kept_and_separated():
-    batch = PackedCollator()([{"input_ids": [1, 2, 3], "labels": [-100, 7, 8]}, {"input_ids": [4, 5], "labels": [9, 9]}])
+    batch = PackedCollator()([{"input_ids": [1, 2, 3], "labels": [-100, 7, 8]},
+                              {"input_ids": [4, 5], "labels": [9, 9]}])
     assert batch["labels"].tolist() == [[-100, 7, 8, -100, 9]]
 
 

@@ -116,7 +116,9 @@ def test_every_python_block_runs(path, stand_ins):
         try:
             exec(compile(code, f"{path.name}:{line}", "exec"), namespace)
         except Exception as error:
-            raise AssertionError(f"{path.name}, the block at line {line} fails: {type(error).__name__}: {error}") from error
+            raise AssertionError(
+                f"{path.name}, the block at line {line} fails: {type(error).__name__}: {error}"
+            ) from error
 
 
 def test_blocks_not_run_say_why():

@@ -26,7 +26,8 @@ def test_inductor_training_steps_equal_eager_and_compile_once(family_name):
     _, patched = build_pair(family_named(family_name))
     patched.train()
     vocab = patched.config.get_text_config().vocab_size
-    batches = [hf_batch(random_docs(vocab, lengths, seed=i)) for i, lengths in enumerate([[70, 5, 1], [33, 90], [12, 2, 40, 8]])]
+    batches = [hf_batch(random_docs(vocab, lengths, seed=i))
+               for i, lengths in enumerate([[70, 5, 1], [33, 90], [12, 2, 40, 8]])]
     compiled = torch.compile(patched, backend="inductor", fullgraph=True, dynamic=True)
     with graphs_compiled() as compiles:
         for batch in batches:

@@ -154,10 +154,12 @@ def test_unpatch_refuses_a_decorated_forward():
 
 def test_incompatible_transformers_is_named():
     missing_class = Family("x", LLAMA.modeling, "LlamaModel", {"LlamaGone": (ATTENTION,)})
-    with pytest.raises(IncompatibleTransformersError, match=r"LlamaGone does not exist.*compilepack supports x on transformers>=5.18,<5.26"):
+    with pytest.raises(IncompatibleTransformersError,
+                       match=r"LlamaGone does not exist.*compilepack supports x on transformers>=5.18,<5.26"):
         build_forwards(missing_class, Backends())
     not_calling = Family("x", LLAMA.modeling, "LlamaModel", {"LlamaMLP": (ATTENTION,)})
-    with pytest.raises(IncompatibleTransformersError, match="LlamaMLP.forward no longer loads the global ALL_ATTENTION_FUNCTIONS"):
+    with pytest.raises(IncompatibleTransformersError,
+                       match="LlamaMLP.forward no longer loads the global ALL_ATTENTION_FUNCTIONS"):
         build_forwards(not_calling, Backends())
 
 
@@ -172,7 +174,8 @@ def test_a_family_outside_its_releases_is_refused_naming_them():
 def test_packed_batch_with_attention_mask_or_cache_is_refused_in_the_model():
     model = compilepack.patch(_model())
     batch = hf_batch([[1, 2, 3], [4, 5]])
-    with pytest.raises(BoundaryError, match="'attention_mask': expected no padding mask in a batch with boundary kwargs"):
+    with pytest.raises(BoundaryError,
+                       match="'attention_mask': expected no padding mask in a batch with boundary kwargs"):
         model(**batch, attention_mask=torch.ones(1, 5, dtype=torch.long))
     from transformers import DynamicCache
 
@@ -214,10 +217,12 @@ def test_packed_rows_without_boundaries_fail_loudly_in_the_model():
     model = compilepack.patch(_model())
     batch = hf_batch([[1, 2, 3], [4, 5]])
     positions_only = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
-    with pytest.raises(BoundaryError, match="'position_ids': expected positions counting up without restart inside a row"):
+    with pytest.raises(BoundaryError,
+                       match="'position_ids': expected positions counting up without restart inside a row"):
         model(**positions_only)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=True)
-    with pytest.raises(RuntimeError, match="'position_ids': expected positions counting up without restart inside a row"):
+    with pytest.raises(RuntimeError,
+                       match="'position_ids': expected positions counting up without restart inside a row"):
         compiled(**positions_only)
     model(input_ids=batch["input_ids"], position_ids=torch.arange(5)[None])
 

@@ -83,7 +83,8 @@ BAD = {
     ),
     "seq_idx of the wrong length": (
         dict(seq_idx=torch.zeros(1, 9, dtype=torch.int32)),
-        r"'seq_idx': expected an int32 \(or int64\) tensor shaped like input_ids.*found a tensor of int32, shape \[1, 9\]",
+        r"'seq_idx': expected an int32 \(or int64\) tensor shaped like input_ids"
+        r".*found a tensor of int32, shape \[1, 9\]",
     ),
     "seq_idx inconsistent with cu_seqlens": (
         dict(seq_idx=torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1, 2, 2]], dtype=torch.int32)),
@@ -126,8 +127,10 @@ def test_boundary_error_is_a_value_error():
 
 def test_rows_with_boundaries_for_one_flattened_row_are_refused():
     batch = _batch((3, 5, 2))
-    batch = {k: (v.view(2, 5) if k in ("input_ids", "labels", "position_ids", "seq_idx") else v) for k, v in batch.items()}
-    with pytest.raises(BoundaryError, match=r"found document 1 \(tokens 3:8\) crossing the row edge at token 5 \(rows of 5\)"):
+    per_token = ("input_ids", "labels", "position_ids", "seq_idx")
+    batch = {k: (v.view(2, 5) if k in per_token else v) for k, v in batch.items()}
+    with pytest.raises(BoundaryError,
+                       match=r"found document 1 \(tokens 3:8\) crossing the row edge at token 5 \(rows of 5\)"):
         validate(batch)
 
 

@@ -1,6 +1,7 @@
 """Collators: :class:`PackedCollator` packs tokenized samples into rows, emitting the HF collator's keys (and,
-optionally, fixed shapes); the adapters make other collators' batches meet the contract: boundaries for collators that emit packed rows with ``position_ids`` only (:func:`with_boundaries`),
-and moving a batch to the device while its boundaries stay on the host (:func:`to_device`).
+optionally, fixed shapes); the adapters make other collators' batches meet the contract: boundaries for collators
+that emit packed rows with ``position_ids`` only (:func:`with_boundaries`), and moving a batch to the device while
+its boundaries stay on the host (:func:`to_device`).
 
 ``DataCollatorWithFlattening()`` with its defaults, and older TRL padding-free collators, mark documents only by
 restarting ``position_ids``. A patched model never reads boundaries off ``position_ids`` (that would be a

@@ -63,6 +63,8 @@ def seq_idx_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tenso
 
 
 def positions_in_documents(cu_seqlens: torch.Tensor, seq_idx: torch.Tensor) -> torch.Tensor:
-    """``int64`` position of every token inside its document (``seq_idx``: flat, from :func:`seq_idx_from_cu_seqlens`)."""
+    """``int64`` position of every token inside its document.
+
+    ``seq_idx``: flat, from :func:`seq_idx_from_cu_seqlens`."""
     positions = torch.arange(seq_idx.numel(), device=seq_idx.device)
     return positions - cu_seqlens.to(torch.int64)[seq_idx.to(torch.int64)]

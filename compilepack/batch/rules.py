@@ -79,7 +79,9 @@ CU_DEVICE = Rule(
     CU_SEQLENS_Q, "a tensor on the CPU (the collator's host copy) or on the model's device",
     "leave it on the CPU (compilepack.to_device moves a batch but keeps the boundaries on the host)",
 )
-STARTS_AT_ZERO = Rule(CU_SEQLENS_Q, "0 as the first entry", "start the cumulative sum at 0; tokens before it would be dropped")
+STARTS_AT_ZERO = Rule(
+    CU_SEQLENS_Q, "0 as the first entry", "start the cumulative sum at 0; tokens before it would be dropped"
+)
 ENDS_AT_TOKENS = Rule(
     CU_SEQLENS_Q, "the batch's token count (rows x row length) as the last entry",
     "these boundaries belong to another batch, or were cut: build them from this batch's documents. If the tokens "
@@ -137,7 +139,9 @@ LABELS_AT_STARTS = Rule(
     "predicted from the previous document's last token)",
     "set labels to -100 at every document start, as DataCollatorWithFlattening does",
 )
-SHAPED_LIKE_TOKENS = Rule(LABELS, f"the shape of {INPUT_IDS}", f"build it with the same rows and row length as {INPUT_IDS}")
+SHAPED_LIKE_TOKENS = Rule(
+    LABELS, f"the shape of {INPUT_IDS}", f"build it with the same rows and row length as {INPUT_IDS}"
+)
 
 
 # ------------------------------------------------------------------------------------------------ static facts
@@ -211,7 +215,8 @@ def _raised_while_tracing(error_type: type[Exception]) -> type[Exception]:
         UserError.__init__(self, UserErrorType.INVALID_INPUT, message)
 
     # the same name, so the compile error reads as the eager one ("BoundaryError: 'cu_seq_lens_q': expected ...")
-    return type(error_type.__name__, (error_type, UserError), {"__init__": __init__, "__module__": error_type.__module__})
+    namespace = {"__init__": __init__, "__module__": error_type.__module__}
+    return type(error_type.__name__, (error_type, UserError), namespace)
 
 
 def _decided(condition) -> bool:
@@ -268,7 +273,9 @@ def check_cumulative_on_host(key: str, cu: torch.Tensor, total: int) -> list[int
         raise _about(key, STARTS_AT_ZERO).refuse(f"{values[0]} in {_preview(values)}")
     drop = next((i for i in range(1, len(values)) if values[i] < values[i - 1]), None)
     if drop is not None:
-        raise _about(key, NON_DECREASING).refuse(f"entry {drop} ({values[drop]}) < entry {drop - 1} ({values[drop - 1]})")
+        raise _about(key, NON_DECREASING).refuse(
+            f"entry {drop} ({values[drop]}) < entry {drop - 1} ({values[drop - 1]})"
+        )
     if values[-1] != total:
         raise _about(key, ENDS_AT_TOKENS).refuse(f"{values[-1]} for a batch of {total} tokens")
     return values

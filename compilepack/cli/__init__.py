@@ -65,7 +65,8 @@ def _explain_command(args) -> int:
     lora = "; PEFT LoRA + gradient checkpointing, forward in train mode" if args.lora else ""
     print(f"compilepack explain {family.name} (the benchmark's model, {stock.config.num_hidden_layers} layers; "
           f"HF DataCollatorWithFlattening batches; torch {torch.__version__}{lora})")
-    header = f"{'':8} {'forward':>16} {'forward+backward':>18} {'compiles/' + str(args.batches) + ' batches':>20} {'max |packed - alone| logit':>28}"
+    header = (f"{'':8} {'forward':>16} {'forward+backward':>18} {'compiles/' + str(args.batches) + ' batches':>20} "
+              f"{'max |packed - alone| logit':>28}")
     print(header)
     reasons = {}
     for name, model in (("stock", stock), ("patched", patched)):

@@ -215,7 +215,8 @@ class BalancedBatchSampler:
 
 
 class _CountingLoader(torch.utils.data.DataLoader):
-    """A DataLoader whose iteration goes through its :class:`BalancedBatchSampler`'s :meth:`~BalancedBatchSampler.track`."""
+    """A DataLoader whose iteration goes through its :class:`BalancedBatchSampler`'s
+    :meth:`~BalancedBatchSampler.track`."""
 
     def __iter__(self):
         # the base iterator is made inside track(), once counting is on: its workers draw indices as soon as it

@@ -301,7 +301,8 @@ def _refuse_other_sequence_parallelism(holder, where: str) -> None:
         value = getattr(config, name, None) or 1
         if value > 1:
             raise ContextParallelError(
-                f"{where} sets {name}={value}: accelerate's {'ring attention' if name == 'cp_size' else 'DeepSpeed Ulysses'} "
+                f"{where} sets {name}={value}: accelerate's "
+                f"{'ring attention' if name == 'cp_size' else 'DeepSpeed Ulysses'} "
                 "splits the tokens of every row but not the packed documents' boundaries, and runs on attention only "
                 "(linear-attention, Mamba and conv layers would see each shard as whole rows). compilepack's context "
                 "parallelism replaces it: remove the parallelism_config's cp_size / sp_size and use "

@@ -2,8 +2,8 @@
 
 Every compilepack op has the same shape: a forward that returns the output (or several, ``outputs=``) and the
 tensors its backward needs (``saved``), a backward that returns one gradient per differentiable input, a fake for
-the compiler, and several ways to compute both (the pure-torch reference, and kernel libraries on CUDA). An op module declares only what is
-particular to it::
+the compiler, and several ways to compute both (the pure-torch reference, and kernel libraries on CUDA). An op
+module declares only what is particular to it::
 
     op = define_op(
         "compilepack::gated_delta_rule_varlen",

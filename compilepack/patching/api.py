@@ -281,7 +281,8 @@ def _refuse_kernelized(modules) -> None:
                             if "forward" in getattr(func, "__dict__", {}))
         if kernelized:
             raise PatchConflictError(
-                f"{type(module).__name__}'s kernel functions {', '.join(kernelized)} are kernelized (kernels.kernelize). "
+                f"{type(module).__name__}'s kernel functions {', '.join(kernelized)} are kernelized "
+                "(kernels.kernelize). "
                 "compilepack runs its own boundary-aware ops for packed batches and would no longer route plain "
                 "batches to the kernelized functions: patch a model that is not kernelized."
             )
@@ -289,8 +290,9 @@ def _refuse_kernelized(modules) -> None:
 
 # ------------------------------------------------------------------------------------------------ model extensions
 # What patch() installs on the whole model after its layers, and unpatch() removes: the chunked LM head
-# (compilepack/patching/chunked_head.py) and the routing of TRL's fused head (compilepack/integrations/trl.py). They register
-# themselves here as they are imported (compilepack/__init__.py imports both), so this layer never imports them.
+# (compilepack/patching/chunked_head.py) and the routing of TRL's fused head (compilepack/integrations/trl.py). They
+# register themselves here as they are imported (compilepack/__init__.py imports both), so this layer never imports
+# them.
 
 
 @dataclasses.dataclass(frozen=True)

@@ -145,7 +145,8 @@ def _refuse_unmarked_packing(kwargs: dict) -> None:
     device assert, which fails the step with a ``RuntimeError`` carrying the same rule (on CUDA at the next
     synchronisation). Padded batches, cached decoding and multimodal (3-D) position ids are not checked."""
     position_ids = kwargs.get(POSITION_IDS)
-    if position_ids is None or position_ids.dim() != 2 or kwargs.get(ATTENTION_MASK) is not None or rules.has_cache(kwargs):
+    if (position_ids is None or position_ids.dim() != 2 or kwargs.get(ATTENTION_MASK) is not None
+            or rules.has_cache(kwargs)):
         return
     on_host = position_ids.device.type == "cpu" and not torch.compiler.is_compiling()
     rules.refuse_unmarked_packing(position_ids, read_on_host=on_host)

@@ -289,6 +289,7 @@ class _BoundaryCalls(ast.NodeTransformer):
             raise IncompatibleTransformersError(
                 f"cannot pass the boundaries through {self.where}: its call {callee}(...) is named in the family's "
                 f"boundary_calls but already passes {shown}, so the boundary kwargs would be given twice (\"multiple "
-                f"values for keyword\" at run time). Remove {callee!r} from boundary_calls: a call that forwards **kwargs "
+                f"values for keyword\" at run time). Remove {callee!r} from boundary_calls: a call that forwards "
+                "**kwargs "
                 "already receives the boundaries, and one that passes a boundary keyword itself cannot take them too."
             )

@@ -29,7 +29,9 @@ def tolerance_for(model: torch.nn.Module) -> float:
         family = family_of(model)
     except UnsupportedModelError:
         return HYBRID_TOLERANCE
-    only_attention = all(r.global_name == "ALL_ATTENTION_FUNCTIONS" for needed in family.layers.values() for r in needed)
+    only_attention = all(
+        r.global_name == "ALL_ATTENTION_FUNCTIONS" for needed in family.layers.values() for r in needed
+    )
     return ATTENTION_ONLY_TOLERANCE if only_attention else HYBRID_TOLERANCE
 
 

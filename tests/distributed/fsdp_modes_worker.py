@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 
-import torch
 import torch.distributed as dist
 
 from tests.distributed.sequence_worker import FEW_HEADS, _amplified_convs, _without_passing, context_parallel

@@ -70,11 +70,13 @@ def _op_cases(total: int) -> dict:
 
     return {
         # 4 query heads over 2 kv heads: split for W = 2, replicated for W = 4
-        "attention": (attention_cp, attention_full, [rand(1, total, 4, 16), rand(1, total, 2, 16), rand(1, total, 2, 16)], []),
+        "attention": (attention_cp, attention_full,
+                      [rand(1, total, 4, 16), rand(1, total, 2, 16), rand(1, total, 2, 16)], []),
         "causal_conv1d": (conv_cp, conv_full, [rand(1, total, 48)], [rand(48, 4), rand(48)]),
         # 2 q/k heads under 4 value heads: split for W = 2, replicated for W = 4
         "gated_delta_rule": (gdn_cp, gdn_full, [rand(1, total, 2, 16), rand(1, total, 2, 16), rand(1, total, 4, 16),
-                                                rand(1, total, 4, low=True) / 4, torch.rand(1, total, 4, generator=generator)], []),
+                                                rand(1, total, 4, low=True) / 4,
+                                                torch.rand(1, total, 4, generator=generator)], []),
         # 4 heads over 2 groups: groups split for W = 2, replicated for W = 4
         "mamba2_scan": (mamba_cp, mamba_full, [rand(1, total, 4, 8), rand(1, total, 4), rand(1, total, 2, 16),
                                                rand(1, total, 2, 16)], [rand(4, low=True), rand(4), rand(4)]),
@@ -150,7 +152,8 @@ def ops_compile() -> dict:
         compiled_grads = torch.autograd.grad(compiled, flat)
         eager = run_all(*flat)
         eager_grads = torch.autograd.grad(eager, flat)
-        error = max(error, (compiled - eager).abs().item(), *((a - b).abs().max().item() for a, b in zip(compiled_grads, eager_grads)))
+        grad_errors = ((a - b).abs().max().item() for a, b in zip(compiled_grads, eager_grads))
+        error = max(error, (compiled - eager).abs().item(), *grad_errors)
     OP_LENGTHS = [70, 1, 23, 5, 33]
     return {"graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before,
             "backend_calls": counter.frame_count, "compiled_vs_eager": _max_over_ranks(torch.tensor(error))}

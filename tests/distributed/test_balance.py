@@ -92,7 +92,8 @@ def test_a_plain_dataloader_cannot_be_counted_so_state_dict_refuses_unless_told_
     rest = list(batches)
     resumed = BalancedBatchSampler(lengths, 2, 0, 2048, seed=1)
     resumed.load_state_dict(state)
-    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(resumed.loader(dataset, collate_fn=PackedCollator()), rest))
+    resumed_batches = resumed.loader(dataset, collate_fn=PackedCollator())
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(resumed_batches, rest))
     own = BalancedBatchSampler(lengths, 2, 0, 2048, seed=1)
     counted = own.track(own)
     first = [next(counted) for _ in range(4)]

@@ -53,8 +53,8 @@ def results(request, world2, world4) -> dict:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_context_parallel_equals_one_process(results, family):
-    """Logits, loss (the ranks' shares summed, relative) and every parameter's gradient (summed over ranks), for one row of 129
-    tokens (a padding document makes it divide by W; a 70-token document straddles the splits; a 1-token
+    """Logits, loss (the ranks' shares summed, relative) and every parameter's gradient (summed over ranks), for one
+    row of 129 tokens (a padding document makes it divide by W; a 70-token document straddles the splits; a 1-token
     document) and for two rows of 61 tokens."""
     tolerance = TOLERANCE[family]
     for layout, figures in results[f"family_equality:{family}"].items():

@@ -43,7 +43,8 @@ def tolerance(family: str) -> float:
     return 1e-5 if family in ATTENTION_ONLY else 1e-4
 
 
-OP_CHECKS = {"ops_equality", "conv_short_slices", "compile_ops"}  # sequence_ops_worker.py's; the others sequence_worker.py's
+# sequence_ops_worker.py's; the others sequence_worker.py's
+OP_CHECKS = {"ops_equality", "conv_short_slices", "compile_ops"}
 
 
 def _check(name: str, *args) -> tuple:

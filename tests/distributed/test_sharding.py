@@ -28,7 +28,8 @@ def test_shards_join_into_the_padded_batch_with_global_boundaries(world):
     assert torch.equal(_joined(shards, "input_ids")[:, :129], batch["input_ids"])
     assert torch.equal(_joined(shards, "input_ids")[:, 129:], torch.zeros(1, padded, dtype=torch.long))
     # the padding document: positions from 0, no targets; the real documents keep their positions
-    assert torch.equal(_joined(shards, "position_ids"), torch.cat([batch["position_ids"], torch.arange(padded)[None]], 1))
+    assert torch.equal(_joined(shards, "position_ids"),
+                       torch.cat([batch["position_ids"], torch.arange(padded)[None]], 1))
     assert (_joined(shards, "shift_labels")[:, 128:] == -100).all()
     expected = Boundaries.from_lengths([70, 1, 23, 5, 30, padded])
     for shard in shards:  # global, unsliced, the same on every rank

@@ -88,7 +88,8 @@ def _summed_grads(model: torch.nn.Module, group=None) -> dict[str, torch.Tensor]
     grads = _grads(model)
     flat = torch.cat([grad.flatten() for grad in grads.values()])
     dist.all_reduce(flat, group=group)
-    return {name: part.view_as(grads[name]) for name, part in zip(grads, flat.split([g.numel() for g in grads.values()]))}
+    parts = flat.split([g.numel() for g in grads.values()])
+    return {name: part.view_as(grads[name]) for name, part in zip(grads, parts)}
 
 
 def one_process_step(model: torch.nn.Module, batch: dict) -> types.SimpleNamespace:
@@ -367,7 +368,8 @@ def fsdp_equality(family_name: str) -> dict:
     rank, world, cp_size = dist.get_rank(), dist.get_world_size(), 2
     cp_group = init_device_mesh("cpu", (world // cp_size, cp_size), mesh_dim_names=("dp", "cp"))["cp"]  # a 1-D mesh
     base = _build(family_name)
-    batches = [hf_batch(random_docs(base.config.vocab_size, n, seed=s)) for s, n in enumerate([ROW_LENGTHS, [12, 40, 66]])]
+    batches = [hf_batch(random_docs(base.config.vocab_size, n, seed=s))
+               for s, n in enumerate([ROW_LENGTHS, [12, 40, 66]])]
     reference = compilepack.patch(copy.deepcopy(base))
     (sum(reference(**b).loss for b in batches) / len(batches)).backward()
     model = compilepack.patch(copy.deepcopy(base), context_parallel=cp_group)  # patch first, then shard

@@ -230,7 +230,8 @@ def test_the_cost_model_counts_attention_for_the_layers_that_attend():
     from compilepack.integrations import attention_length_of
 
     assert attention_length_of(worker.model_of("llama")) == 12 * 64
-    assert attention_length_of(worker.model_of("qwen3_5")) == attention_length_of(worker.model_of("bamba")) == 12 * 64 * 3
+    assert (attention_length_of(worker.model_of("qwen3_5")) == attention_length_of(worker.model_of("bamba"))
+            == 12 * 64 * 3)
 
 
 def test_without_a_distributed_launch_the_trainer_says_how_to_launch(tmp_path):
@@ -245,7 +246,8 @@ def test_without_a_distributed_launch_the_trainer_says_how_to_launch(tmp_path):
 
 
 REFUSED_LAYOUTS = {
-    "unknown mode": (dict(size=4, mode="ring"), r"mode='ring'\): mode must be one of \('ulysses', 'sequence', 'hybrid'\)"),
+    "unknown mode": (dict(size=4, mode="ring"),
+                     r"mode='ring'\): mode must be one of \('ulysses', 'sequence', 'hybrid'\)"),
     "ulysses_size without hybrid": (dict(size=4, mode="sequence", ulysses_size=2),
                                     r"ulysses_size is the hybrid mode's Ulysses group; pass mode='hybrid'"),
     "hybrid without ulysses_size": (dict(size=4, mode="hybrid"), r"ulysses_size=None\): the hybrid mode needs"),

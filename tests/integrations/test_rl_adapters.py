@@ -239,7 +239,8 @@ def test_boundary_kwargs_from_each_frameworks_layout_equal_each_sequence_alone(f
 def test_boundary_kwargs_layout():
     kwargs = boundary_kwargs(torch.zeros(1, 6, dtype=torch.long), lengths=[2, 0, 4])
     assert kwargs["cu_seq_lens_q"].tolist() == [0, 2, 2, 6] and kwargs["max_length_q"] == 4
-    assert kwargs["position_ids"].tolist() == [[0, 1, 0, 1, 2, 3]] and kwargs["seq_idx"].tolist() == [[0, 0, 2, 2, 2, 2]]
+    assert kwargs["position_ids"].tolist() == [[0, 1, 0, 1, 2, 3]]
+    assert kwargs["seq_idx"].tolist() == [[0, 0, 2, 2, 2, 2]]
     two_rows = boundary_kwargs(torch.zeros(2, 3, dtype=torch.long), cu_seqlens=[0, 3, 6])
     assert two_rows["position_ids"].tolist() == [[0, 1, 2], [0, 1, 2]]
 

@@ -26,7 +26,7 @@ from trl import SFTConfig, SFTTrainer  # noqa: E402
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling  # noqa: E402
 
 import compilepack  # noqa: E402
-from compilepack.batch.keys import BOUNDARY_KEYS
+from compilepack.batch.keys import BOUNDARY_KEYS  # noqa: E402
 from compilepack.integrations import with_boundaries  # noqa: E402
 from compilepack.patching import family_named  # noqa: E402
 from tests.families import build_tiny  # noqa: E402

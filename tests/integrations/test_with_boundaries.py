@@ -22,7 +22,8 @@ def features(vocab_size=256):
 def test_position_ids_only_batch_is_refused_without_the_adapter():
     batch = DataCollatorWithFlattening()(features())  # HF's default: no boundary kwargs
     assert "cu_seq_lens_q" not in batch
-    with pytest.raises(compilepack.BoundaryError, match=r"'position_ids': .*found a restart at row 0, token 30 and no boundary kwargs"):
+    with pytest.raises(compilepack.BoundaryError,
+                       match=r"'position_ids': .*found a restart at row 0, token 30 and no boundary kwargs"):
         compilepack.checked(DataCollatorWithFlattening())(features())
 
 
@@ -68,7 +69,9 @@ def test_multimodal_positions_use_their_text_row():
 def test_labels_that_cross_documents_are_refused():
     # separator_id=5 leaves a real label at each document start: the loss would predict across documents
     collate = with_boundaries(DataCollatorWithFlattening(separator_id=5))
-    with pytest.raises(compilepack.BoundaryError, match=r"'labels': expected -100 at every document start.*found 5 at the document start at token 30"):
+    with pytest.raises(compilepack.BoundaryError,
+                       match=r"'labels': expected -100 at every document start"
+                             r".*found 5 at the document start at token 30"):
         collate(features())
 
 

@@ -69,7 +69,8 @@ def triton_interpreter_on_cpu():
     patches.setattr(interpreter.FunctionRewriter, "ast_transformer", _LoopVariablesAsTensors())
     patches.setattr(autotuner.Autotuner, "prune_configs", lambda self, kwargs, *args, **kw: self.configs[:1])
     real_device = torch.cuda.device
-    patches.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext() if index is None else real_device(index))
+    patches.setattr(torch.cuda, "device",
+                    lambda index: contextlib.nullcontext() if index is None else real_device(index))
     patches.setattr(torch.cuda, "get_device_properties",
                     lambda device=None: types.SimpleNamespace(multi_processor_count=SM_COUNT))
     yield

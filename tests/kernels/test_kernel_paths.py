@@ -152,7 +152,8 @@ def test_kimi_delta_attention_fla_equals_reference(kernels_on_cpu):
     inputs = _delta_rule_inputs(lengths, rows, per_channel=True, layout=layout)
     _assert_paths_agree(run, inputs)
     assert "fla.ops.kda.chunk" in kernels_on_cpu
-    _assert_fake_matches(kimi_delta_attention.OP, [*(x.detach() for x in inputs), cu, cu.clone(), True, 32**-0.5, "fla"])
+    _assert_fake_matches(kimi_delta_attention.OP,
+                         [*(x.detach() for x in inputs), cu, cu.clone(), True, 32**-0.5, "fla"])
 
 
 # ------------------------------------------------------------------------------------------------ mamba-ssm

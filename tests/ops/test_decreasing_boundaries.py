@@ -33,8 +33,8 @@ def _attention(cu):
 
 def _delta_rule(op, per_channel):
     def call(cu):
-        q, k, v, g, beta = _inputs(1, (1, T, 2, 8), (1, T, 2, 8), (1, T, 2, 8), (1, T, 2, 8) if per_channel else (1, T, 2),
-                                   (1, T, 2))
+        q, k, v, g, beta = _inputs(1, (1, T, 2, 8), (1, T, 2, 8), (1, T, 2, 8),
+                                   (1, T, 2, 8) if per_channel else (1, T, 2), (1, T, 2))
         return op(q, k, v, F.logsigmoid(g), beta.sigmoid(), cu)
     return call
 

@@ -1,7 +1,7 @@
-"""The glue between the sequence mode's one state per row and fla's one state per document (``ops/_delta_rule/fla.py``), on
-the layouts a rank's slice gives (empty documents before, between and after, two rows): each row's first and last
-token found in the right document, states placed and read back there. The fla kernels themselves run in the kernel
-stage (``tests/kernels/test_state_kernels.py``)."""
+"""The glue between the sequence mode's one state per row and fla's one state per document
+(``ops/_delta_rule/fla.py``), on the layouts a rank's slice gives (empty documents before, between and after, two
+rows): each row's first and last token found in the right document, states placed and read back there. The fla
+kernels themselves run in the kernel stage (``tests/kernels/test_state_kernels.py``)."""
 
 from __future__ import annotations
 

@@ -53,6 +53,7 @@ def test_a_call_that_passes_a_boundary_keyword_is_refused_at_patch_time():
 
 
 def test_a_named_call_the_forward_no_longer_makes_is_refused_at_patch_time():
-    family = Family("stub_gone", STUBS, decoder="DropsKwargs", layers={}, boundary_calls={"DropsKwargs": ("self.gone",)})
+    family = Family("stub_gone", STUBS, decoder="DropsKwargs", layers={},
+                    boundary_calls={"DropsKwargs": ("self.gone",)})
     with pytest.raises(IncompatibleTransformersError, match=r"DropsKwargs\.forward no longer calls self\.gone"):
         build_forwards(family, Backends())

@@ -12,7 +12,14 @@ import torch._dynamo.utils
 import compilepack
 from compilepack import testing
 from tests.families import GROUPED_MM_FALLBACK_BREAKS, available_families, is_moe, representatives, variants
-from tests.models import build_pair, hf_batch, logits_alone, max_diff_packed_vs_alone, random_docs, varied_length_batches
+from tests.models import (
+    build_pair,
+    hf_batch,
+    logits_alone,
+    max_diff_packed_vs_alone,
+    random_docs,
+    varied_length_batches,
+)
 
 # documents longer than the mixers' chunk (64), 1-token documents, and ordinary ones
 LENGTHS = [70, 1, 23, 5, 1, 40]
@@ -144,7 +151,8 @@ def test_fixed_shape_collator_compiles_once_without_dynamic(pairs, family, varia
     _, patched = pairs(family, variant)
     collate = compilepack.PackedCollator(128, fixed_shape=True, rows=2, max_docs=16)
     batches = []
-    for i, batch in enumerate(varied_length_batches(patched.config.get_text_config().vocab_size, count=6, max_len=60, seed=10)):
+    vocab = patched.config.get_text_config().vocab_size
+    for i, batch in enumerate(varied_length_batches(vocab, count=6, max_len=60, seed=10)):
         docs = [d for d in torch.split(batch["input_ids"][0], torch.diff(batch["cu_seq_lens_q"]).tolist())]
         batches.append(collate([{"input_ids": d} for d in docs]))
     assert len({tuple(b["input_ids"].shape) for b in batches}) == 1

@@ -13,7 +13,6 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-import compilepack
 from compilepack import BoundaryError
 from tests.families import available_families, representatives, variants
 from tests.models import build_pair, hf_batch, logits_alone, max_diff_packed_vs_alone, random_docs
@@ -57,8 +56,12 @@ VALUE_RULES = {
     "ends at the token count": (_set(cu=_cu([0, 5, 8, 14, 15])), r"'cu_seq_lens_q': expected the batch's token count"),
     "non-decreasing": (_set(cu=_cu([0, 8, 5, 14, 16])), r"'cu_seq_lens_q': expected non-decreasing entries"),
     "row edges are document edges": (_two_rows_with_a_crossing_document, r"'cu_seq_lens_q': expected every row edge"),
-    "cu_seq_lens_k equals cu_seq_lens_q": (_set(cu_seq_lens_k=_cu([0, 4, 8, 14, 16])), r"'cu_seq_lens_k': expected the same values"),
-    "max_length bounds every document": (_set(max_length_q=4), r"'max_length_q': expected a Python int >= the longest document"),
+    "cu_seq_lens_k equals cu_seq_lens_q": (
+        _set(cu_seq_lens_k=_cu([0, 4, 8, 14, 16])), r"'cu_seq_lens_k': expected the same values"
+    ),
+    "max_length bounds every document": (
+        _set(max_length_q=4), r"'max_length_q': expected a Python int >= the longest document"
+    ),
     "seq_idx agrees": (
         _set(seq_idx=torch.tensor([[0] * 6 + [1] * 2 + [2] * 6 + [3] * 2], dtype=torch.int32)),
         r"'seq_idx': expected document starts at the same tokens as 'cu_seq_lens_q'",
@@ -71,8 +74,13 @@ STATIC_RULES = {
     "cu_seq_lens per row": (_set(cu=_cu([[0, 5, 8], [0, 6, 8]])), r"'cu_seq_lens_q': expected a 1-D int32"),
     "cu_seq_lens a tensor": (_set(cu=CU), r"'cu_seq_lens_q': expected a 1-D int32.*found a list"),
     "max_length an int": (_set(max_length_q=5.5), r"'max_length_q': expected a Python int"),
-    "seq_idx shaped like input_ids": (_set(seq_idx=torch.zeros(1, 15, dtype=torch.int32)), r"'seq_idx': expected an int32 \(or int64\) tensor shaped like input_ids"),
-    "no attention_mask": (_set(attention_mask=torch.ones(1, 16, dtype=torch.long)), r"'attention_mask': expected no padding mask"),
+    "seq_idx shaped like input_ids": (
+        _set(seq_idx=torch.zeros(1, 15, dtype=torch.int32)),
+        r"'seq_idx': expected an int32 \(or int64\) tensor shaped like input_ids",
+    ),
+    "no attention_mask": (
+        _set(attention_mask=torch.ones(1, 16, dtype=torch.long)), r"'attention_mask': expected no padding mask"
+    ),
     "cu_seq_lens_q present": (_set(cu_seq_lens_q=None, cu_seq_lens_k=None), r"'cu_seq_lens_q': expected present"),
 }
 
@@ -141,7 +149,8 @@ def test_static_refusals_of_a_compiled_model_are_caught_as_boundary_errors(model
 
     _, patched, docs = models(family, variant)
     compiled = torch.compile(patched, backend="eager", fullgraph=True, dynamic=True)
-    cases = {**STATIC_RULES, "meta boundaries": (_set(cu=_cu(CU).to("meta")), r"'cu_seq_lens_q': expected a tensor on "),
+    cases = {**STATIC_RULES,
+             "meta boundaries": (_set(cu=_cu(CU).to("meta")), r"'cu_seq_lens_q': expected a tensor on "),
              "float seq_idx": (_set(seq_idx=torch.zeros(1, 16)), r"'seq_idx': expected an int32")}
     with torch.no_grad():
         for rule, (breaks, message) in cases.items():

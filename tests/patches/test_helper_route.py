@@ -59,7 +59,8 @@ def test_a_plain_batch_calls_the_helper_as_it_is_bound_now(monkeypatch):
 def test_without_via_a_layer_that_calls_a_helper_is_refused():
     """The control: the same replacement without ``via`` cannot reach the kernel, and says so."""
     direct_only = dataclasses.replace(SCAN, via=())
-    with pytest.raises(IncompatibleTransformersError, match=r"HelperLayer\.forward no longer loads the global scan_kernel"):
+    with pytest.raises(IncompatibleTransformersError,
+                       match=r"HelperLayer\.forward no longer loads the global scan_kernel"):
         _forward("HelperLayer", direct_only)
 
 

@@ -63,7 +63,8 @@ def test_kda_replacement_refuses_a_recurrent_state_with_boundaries():
     g, beta = -torch.rand(1, 10, 2, 8), torch.rand(1, 10, 2)
     cu = torch.tensor([0, 4, 10], dtype=torch.int32)
     # what the patched decoder hands its layers, beside the HF keys
-    packed = {"cu_seq_lens_q": cu, PACKED_BOUNDARIES: PackedBoundaries(cu, cu, 6, seq_idx_from_cu_seqlens(cu, 10)[None])}
+    packed = {"cu_seq_lens_q": cu,
+              PACKED_BOUNDARIES: PackedBoundaries(cu, cu, 6, seq_idx_from_cu_seqlens(cu, 10)[None])}
     with pytest.raises(BoundaryError, match="recurrent state"):
         replacement(q, k, v, g=g, beta=beta, output_final_state=True, **packed)
     out, state = replacement(q, k, v, g=g, beta=beta, **packed)

@@ -30,7 +30,8 @@ def test_packed_training_declines_the_fused_kernel_and_runs_compilepacks_scan(fa
     _, patched = build_pair(family)
     modeling = __import__(family.modeling, fromlist=["_"])
     installed = private_name(_key(patch_state(patched).backends), FUSED)
-    cuda_backends = MAMBA2_SPLIT_CONV1D_SCAN.make(modeling.__dict__[FUSED], Backends(conv="causal_conv1d", ssd="mamba_ssm"))
+    cuda_backends = MAMBA2_SPLIT_CONV1D_SCAN.make(modeling.__dict__[FUSED],
+                                                  Backends(conv="causal_conv1d", ssd="mamba_ssm"))
     answers, scans = [], []
 
     def fused(*args, **kwargs):

@@ -113,6 +113,6 @@ def _stock_error(stock, batch, docs, cu) -> float:
     try:
         with torch.no_grad():
             logits = copy.deepcopy(stock)(**batch).logits
-    except Exception:  # noqa: BLE001: any stock failure counts as "stock cannot run this row"
+    except Exception:  # noqa: BLE001 - any stock failure counts as "stock cannot run this row"
         return float("inf")
     return max_diff_packed_vs_alone(logits, logits_alone(stock, docs), cu)

@@ -25,7 +25,8 @@ def test_every_patched_forward_has_the_stock_signature(family):
     patched = {name: m for name, m in model.named_modules() if "forward" in m.__dict__}
     assert patched, "patch() rebound no forward"
     differing = {
-        f"{name} ({type(module).__name__})": f"patched {inspect.signature(module.forward)} != stock {stock_signatures[name]}"
+        f"{name} ({type(module).__name__})":
+            f"patched {inspect.signature(module.forward)} != stock {stock_signatures[name]}"
         for name, module in patched.items()
         if inspect.signature(module.forward) != stock_signatures[name]
     }

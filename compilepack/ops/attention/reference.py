@@ -5,8 +5,9 @@ own tokens only (isolation is exact by construction). On CPU each document goes 
 kernel (tiled: the ``L x L`` scores are never materialised, and it returns the log-sum-exp the backward needs),
 which takes grouped key/value heads (GQA) as they are and sums the shared heads' gradients itself: no repeated
 copies of k and v (a bench row, 8141 tokens, 52 documents, 8 query / 2 kv heads, 1 thread: forward+backward 180 ms
-against 196 ms with the copies). Elsewhere through explicit math, which repeats k and v to the query heads. Both compute in ``compute_dtype(q)`` (float32, or float64 for float64 inputs, so
-fp64 gradchecks test the exact formulas); the saved log-sum-exp is in that dtype too.
+against 196 ms with the copies). Elsewhere through explicit math, which repeats k and v to the query heads. Both
+compute in ``compute_dtype(q)`` (float32, or float64 for float64 inputs, so fp64 gradchecks test the exact
+formulas); the saved log-sum-exp is in that dtype too.
 
 The document loop needs the boundaries as Python ints: they are read from ``cu_seqlens_cpu`` when the caller has the
 host copy, so a CUDA ``cu_seqlens`` is never copied back to the host; otherwise from ``cu_seqlens`` (free on CPU).

@@ -29,7 +29,8 @@ def causal_conv1d_head_parallel(
     check_shard(x.shape[2], seq_idx.shape[-1], cp, WHERE)
     _check_channels(x.shape[1], cp)
     shard = split_heads(x.transpose(1, 2), cp).transpose(1, 2)  # [R, C / W, T]
-    out = causal_conv1d_varlen(shard, rank_slice(weight, cp), rank_slice(bias, cp), seq_idx, activation, backend=backend)
+    out = causal_conv1d_varlen(shard, rank_slice(weight, cp), rank_slice(bias, cp), seq_idx, activation,
+                               backend=backend)
     return gather_heads(out.transpose(1, 2), cp).transpose(1, 2)
 
 

@@ -26,8 +26,8 @@ from tests.ops.fakes.flash_attn import varlen_forward_shortcut
 MODULE = "torch.nn.attention.varlen"
 FLASH = torch.nn.attention.SDPBackend.FLASH_ATTENTION.value
 
-_FORWARD_2_11 = """query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_seq_k: Tensor, max_q: int, max_k: int,
-    is_causal: bool = False, scale: float | None = None, window_size: list[int] | None = None"""
+_FORWARD_2_11 = """query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_seq_k: Tensor, max_q: int,
+    max_k: int, is_causal: bool = False, scale: float | None = None, window_size: list[int] | None = None"""
 _FORWARD_2_12 = """query: Tensor, key: Tensor, value: Tensor, cu_seq_q: Tensor, cu_seq_k: Tensor | None, max_q: int,
     max_k: int, is_causal: bool = False, scale: float | None = None, window_size: list[int] | None = None,
     enable_gqa: bool = False, seqused_k: Tensor | None = None, block_table: Tensor | None = None,
@@ -132,8 +132,8 @@ class FakeTorchVarlen(types.SimpleNamespace):
         assert enable_gqa in (None, query.shape[1] != key.shape[1]) and seqused_k is None and block_table is None
         assert num_splits is None and type(scale) is float
         causal, window_left = self.reference_window(is_causal, window_size)
-        out, (lse,) = reference.forward(query, key, value, cu_seq_q, cu_seq_q.as_subclass(torch.Tensor), max_q, causal, scale,
-                                         window_left)
+        out, (lse,) = reference.forward(query, key, value, cu_seq_q, cu_seq_q.as_subclass(torch.Tensor), max_q, causal,
+                                         scale, window_left)
         return out, lse.float(), torch.zeros(2, dtype=torch.uint64)
 
     def _varlen_attn_backward(
