@@ -14,6 +14,7 @@ from ..batch.keys import (
     BOUNDARY_KEYS,
     CU_SEQLENS_K,
     CU_SEQLENS_Q,
+    IGNORE_INDEX,
     INPUT_IDS,
     LABELS,
     MAX_LENGTH_K,
@@ -21,7 +22,6 @@ from ..batch.keys import (
     SEQ_IDX,
 )
 from ..batch.layout import Boundaries
-from ..batch.keys import IGNORE_INDEX
 
 # the chunk of the pure-torch chunked references (compilepack/ops): documents are laid out to cross its edges
 DEFAULT_CHUNK = 64
