@@ -37,6 +37,10 @@ LORA = {**LORA_TARGETS, "qwen3_next": [*ATTENTION, "in_proj_qkvz", "in_proj_ba",
 # prompt, chosen and rejected lengths in tokens (the completions end with the EOS token, counted): 1-token
 # completions, long and short ones, so that every batch pads
 PAIRS = [(5, 9, 1), (20, 1, 33), (3, 47, 6), (12, 4, 4), (30, 2, 19), (7, 60, 12), (9, 6, 26), (2, 15, 3), (40, 8, 1)]
+# Compiled through the trainer: every family but Qwen3-Next, whose first call installs transformers' output-capturing
+# hooks under a threading lock (transformers 5.25 utils/output_capturing.py: `with _hook_installation_lock`), a
+# graph break in stock code that compilepack does not patch (measured: Unsupported context manager)
+COMPILED_FAMILIES = [name for name in FAMILIES if name != "qwen3_next"]
 
 
 def pairs(vocab_size: int, seed: int = 0):
@@ -91,23 +95,26 @@ def test_packed_dpo_losses_equal_trls_padded_trainer(family_name, lora, tmp_path
     assert worst_loss_difference(mixed, padded) > MIXED, (mixed.recorded_losses, padded.recorded_losses)
 
 
-# Graphs of a compiled packed DPO run, 3 steps, measured: LoRA 3, full fine-tuning 4 (its reference model is
-# compiled by accelerate too); never a break. Which pass each graph belongs to is not analysed yet (issue 51's note).
-DPO_GRAPHS = {True: 3, False: 4}
+# Graphs of a compiled packed DPO run over 3 varied batches: one per model, never a break, no recompile. LoRA: 1 (the
+# reference is the policy with its adapter disabled); full fine-tuning: 2 (the reference is a second model, compiled
+# by accelerate too). Before patch() turned off transformers' re-kernelizing on train()/eval(), 3 and 4: each mode
+# switch swapped forwards and recompiled.
+DPO_GRAPHS = {True: 1, False: 2}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_packed_dpo_compiled_no_break(lora, tmp_path, monkeypatch):
+@pytest.mark.parametrize("family_name", COMPILED_FAMILIES)
+def test_packed_dpo_compiled_no_break(family_name, lora, tmp_path, monkeypatch):
     """torch_compile=True (accelerate's fullgraph + dynamic variables): no graph break over 3 batches of varying
     lengths, the graph count as measured, and the losses those of the eager packed trainer."""
-    eager = dpo_trainer(packed_logprobs(DPOTrainer), "llama", tmp_path, lora=lora)
+    eager = dpo_trainer(packed_logprobs(DPOTrainer), family_name, tmp_path, lora=lora)
     from torch._dynamo.utils import counters
 
     counters.clear()
     for key, value in FULLGRAPH_DYNAMIC.items():
         monkeypatch.setenv(key, value)
-    compiled = dpo_trainer(packed_logprobs(DPOTrainer), "llama", tmp_path, lora=lora, compile_=True)
+    compiled = dpo_trainer(packed_logprobs(DPOTrainer), family_name, tmp_path, lora=lora, compile_=True)
     assert dynamo_counts() == (DPO_GRAPHS[lora], 0)
     assert worst_loss_difference(compiled, eager) <= LOSS_TOLERANCE
 

@@ -38,6 +38,10 @@ PROMPT_LENGTHS = [3, 17, 6, 40, 1, 9, 25, 12]
 MAX_COMPLETION = 16
 # every one of these ends a completion (about 1 in 7 tokens): lengths from 1 token to cut at MAX_COMPLETION
 EOS_TOKENS = list(range(2, 40))
+# Compiled through the trainer: every family but Qwen3-Next, whose first call installs transformers' output-capturing
+# hooks under a threading lock (transformers 5.25 utils/output_capturing.py: `with _hook_installation_lock`), a
+# graph break in stock code that compilepack does not patch (measured: Unsupported context manager)
+COMPILED_FAMILIES = [name for name in FAMILIES if name != "qwen3_next"]
 
 
 def prompts(vocab_size: int):
@@ -107,14 +111,15 @@ def test_packed_grpo_losses_equal_trls_padded_trainer(family_name, lora, tmp_pat
     assert worst_loss_difference(mixed, padded) > MIXED, (mixed.recorded_losses, padded.recorded_losses)
 
 
-# Graphs of a compiled packed GRPO run (llama, 4 steps), measured: 3 (full), 2 (LoRA), no break. Which pass each
-# belongs to is not analysed yet (issue 51's note).
-GRPO_GRAPHS = {False: 3, True: 2}
+# Graphs of a compiled packed GRPO run (llama, 4 varied steps): one per model, no break, no recompile: 2 (full: the
+# reference is a second model), 1 (LoRA: the adapter-disabled policy). 3 and 2 before patch() turned off
+# transformers' re-kernelizing on train()/eval().
+GRPO_GRAPHS = {False: 2, True: 1}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-@pytest.mark.parametrize("family_name", ["llama"])
+@pytest.mark.parametrize("family_name", COMPILED_FAMILIES)
 def test_packed_grpo_compiled_one_graph_no_break(family_name, lora, tmp_path, monkeypatch):
     """torch_compile=True: the policy's packed pass (forward and backward) is one graph over the batches' varying
     lengths; the old policy's and the reference's passes run the uncompiled model (TRL passes ``self.model``); the
