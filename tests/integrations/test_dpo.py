@@ -81,7 +81,7 @@ def worst_loss_difference(trainer, other) -> float:
     return max(abs(a - b) for a, b in zip(trainer.recorded_losses, other.recorded_losses))
 
 
-@pytest.mark.slow  # 13-190 s a case on 2 shared cores (measured under load; qwen3_next the longest)
+@pytest.mark.slow  # 2-4 s a case on 2 idle cores, minutes under load (CI's slow stage runs the trainers)
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 @pytest.mark.parametrize("family_name", FAMILIES)
 def test_packed_dpo_losses_equal_trls_padded_trainer(family_name, lora, tmp_path, monkeypatch):

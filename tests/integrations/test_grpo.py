@@ -93,7 +93,7 @@ def completion_lengths(trainer) -> list[int]:
     return [int(n) for batch in trainer.recorded_batches for n in batch["completion_mask"].sum(1)]
 
 
-@pytest.mark.slow  # 90-390 s a case on 2 shared cores (generation included; measured under load)
+@pytest.mark.slow  # 3-4 s a case on 2 idle cores (generation included), minutes under load
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 @pytest.mark.parametrize("family_name", FAMILIES)
 def test_packed_grpo_losses_equal_trls_padded_trainer(family_name, lora, tmp_path, monkeypatch):
