@@ -7,6 +7,7 @@ compiled to one graph. The control: the boundaries dropped, the losses miss by f
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -95,11 +96,23 @@ def test_packed_dpo_losses_equal_trls_padded_trainer(family_name, lora, tmp_path
     assert worst_loss_difference(mixed, padded) > MIXED, (mixed.recorded_losses, padded.recorded_losses)
 
 
-# Graphs of a compiled packed DPO run over 3 varied batches: one per model, never a break, no recompile. LoRA: 1 (the
-# reference is the policy with its adapter disabled); full fine-tuning: 2 (the reference is a second model, compiled
-# by accelerate too). Before patch() turned off transformers' re-kernelizing on train()/eval(), 3 and 4: each mode
-# switch swapped forwards and recompiled.
-DPO_GRAPHS = {True: 1, False: 2}
+# Graphs of a compiled packed DPO or GRPO run over varied batches (keyed by LoRA): one per model, never a break, no
+# recompile. LoRA: 1 (the reference is the policy with its adapter disabled); full fine-tuning: 2 (the reference is a
+# second model, compiled by accelerate too). Before patch() turned off transformers' re-kernelizing on
+# train()/eval(), one more graph in each run: each mode switch swapped forwards and recompiled.
+GRAPHS_PER_RUN = {True: 1, False: 2}
+
+
+def compiled_run(make_trainer, monkeypatch):
+    """The trainer ``make_trainer(compile_=True)`` builds and trains under accelerate's fullgraph + dynamic variables,
+    and dynamo's (graphs, breaks) over its whole run."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    for key, value in FULLGRAPH_DYNAMIC.items():
+        monkeypatch.setenv(key, value)
+    trainer = make_trainer(compile_=True)
+    return trainer, dynamo_counts()
 
 
 @pytest.mark.slow
@@ -108,14 +121,10 @@ DPO_GRAPHS = {True: 1, False: 2}
 def test_packed_dpo_compiled_no_break(family_name, lora, tmp_path, monkeypatch):
     """torch_compile=True (accelerate's fullgraph + dynamic variables): no graph break over 3 batches of varying
     lengths, the graph count as measured, and the losses those of the eager packed trainer."""
-    eager = dpo_trainer(packed_logprobs(DPOTrainer), family_name, tmp_path, lora=lora)
-    from torch._dynamo.utils import counters
-
-    counters.clear()
-    for key, value in FULLGRAPH_DYNAMIC.items():
-        monkeypatch.setenv(key, value)
-    compiled = dpo_trainer(packed_logprobs(DPOTrainer), family_name, tmp_path, lora=lora, compile_=True)
-    assert dynamo_counts() == (DPO_GRAPHS[lora], 0)
+    make = functools.partial(dpo_trainer, packed_logprobs(DPOTrainer), family_name, tmp_path, lora=lora)
+    eager = make()
+    compiled, counts = compiled_run(make, monkeypatch)
+    assert counts == (GRAPHS_PER_RUN[lora], 0)
     assert worst_loss_difference(compiled, eager) <= LOSS_TOLERANCE
 
 

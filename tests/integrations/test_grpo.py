@@ -8,6 +8,8 @@ and compiled to one graph. Prompts are left-padded, completions right-padded, fr
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -20,9 +22,8 @@ import compilepack
 from compilepack.integrations import packed_logprobs
 from compilepack.patching import family_named
 from tests.families import build_tiny
-from tests.integrations.common import TRAINING_ARGS, dynamo_counts, recording
-from tests.integrations.test_dpo import LORA
-from tests.integrations.test_lora_recipes import FULLGRAPH_DYNAMIC
+from tests.integrations.common import TRAINING_ARGS, recording
+from tests.integrations.test_dpo import COMPILED_FAMILIES, GRAPHS_PER_RUN, LORA, compiled_run
 from tests.integrations.test_rl_adapters import without_boundaries
 from tests.integrations.test_trl import word_tokenizer
 
@@ -38,10 +39,6 @@ PROMPT_LENGTHS = [3, 17, 6, 40, 1, 9, 25, 12]
 MAX_COMPLETION = 16
 # every one of these ends a completion (about 1 in 7 tokens): lengths from 1 token to cut at MAX_COMPLETION
 EOS_TOKENS = list(range(2, 40))
-# Compiled through the trainer: every family but Qwen3-Next, whose first call installs transformers' output-capturing
-# hooks under a threading lock (transformers 5.25 utils/output_capturing.py: `with _hook_installation_lock`), a
-# graph break in stock code that compilepack does not patch (measured: Unsupported context manager)
-COMPILED_FAMILIES = [name for name in FAMILIES if name != "qwen3_next"]
 
 
 def prompts(vocab_size: int):
@@ -111,25 +108,14 @@ def test_packed_grpo_losses_equal_trls_padded_trainer(family_name, lora, tmp_pat
     assert worst_loss_difference(mixed, padded) > MIXED, (mixed.recorded_losses, padded.recorded_losses)
 
 
-# Graphs of a compiled packed GRPO run (llama, 4 varied steps): one per model, no break, no recompile: 2 (full: the
-# reference is a second model), 1 (LoRA: the adapter-disabled policy). 3 and 2 before patch() turned off
-# transformers' re-kernelizing on train()/eval().
-GRPO_GRAPHS = {False: 2, True: 1}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 @pytest.mark.parametrize("family_name", COMPILED_FAMILIES)
 def test_packed_grpo_compiled_one_graph_no_break(family_name, lora, tmp_path, monkeypatch):
-    """torch_compile=True: the policy's packed pass (forward and backward) is one graph over the batches' varying
-    lengths; the old policy's and the reference's passes run the uncompiled model (TRL passes ``self.model``); the
-    losses are the eager packed trainer's."""
-    eager = grpo_trainer(packed_logprobs(GRPOTrainer), family_name, tmp_path, lora=lora)
-    from torch._dynamo.utils import counters
-
-    counters.clear()
-    for key, value in FULLGRAPH_DYNAMIC.items():
-        monkeypatch.setenv(key, value)
-    compiled = grpo_trainer(packed_logprobs(GRPOTrainer), family_name, tmp_path, lora=lora, compile_=True)
-    assert dynamo_counts() == (GRPO_GRAPHS[lora], 0)
+    """torch_compile=True over 4 steps of varying lengths: one graph per model (``GRAPHS_PER_RUN``), no break, no
+    recompile; the losses are the eager packed trainer's."""
+    make = functools.partial(grpo_trainer, packed_logprobs(GRPOTrainer), family_name, tmp_path, lora=lora)
+    eager = make()
+    compiled, counts = compiled_run(make, monkeypatch)
+    assert counts == (GRAPHS_PER_RUN[lora], 0)
     assert worst_loss_difference(compiled, eager) <= LOSS_TOLERANCE
