@@ -229,16 +229,6 @@ def _is_file(path: Path) -> bool:
     return path.exists()
 
 
-def check_floor(backend: str, kind: str) -> None:
-    """Raise :class:`KernelVersionError` when ``backend``'s installed release is older than its floor, or unknown."""
-    _raise_refused([r for r in [_below_floor(backend, kind)] if r])
-
-
-def check_platform(backend: str, kind: str) -> None:
-    """Raise :class:`KernelVersionError` where ``backend`` is known to be wrong on this GPU and compiler."""
-    _raise_refused([r for r in [_wrong_on_this_platform(backend, kind)] if r])
-
-
 def _cuda_capability_major() -> int | None:
     import torch
 
