@@ -10,7 +10,8 @@ module declares only what is particular to it::
         signature=_signature,                  # a stub: annotated inputs (the schema), ``backend: str`` last
         differentiable=("q", "k", "v", "g", "beta"),
         reference=reference.PATH,              # Path(forward, backward, fake)
-        kernels={"fla": fla.PATH},             # backend name -> Path, used on CUDA only
+        kernels={"fla": fla.PATH},             # backend name -> Path, best first, used on CUDA only
+        kind="delta_rule",                     # patch(backend={"delta_rule": "fla"}) names it with KDA
     )
     out = op(q, k, v, g, beta, cu_seqlens, True, scale, "fla")
 
@@ -74,6 +75,7 @@ class Op:
     forward: Callable
     backward: Callable
     path_of: Callable[..., Path]
+    backend_op: str  # the op name ``Backends`` keys this op's backend by (a helper form's: its public op's)
 
     def __call__(self, *inputs):
         return self.forward(*inputs)
@@ -90,6 +92,8 @@ def define_op(
     outputs: tuple[str, ...] = ("out",),
     saves_output: bool = False,
     boundaries: tuple[str, ...] = (),
+    kind: str | None = None,
+    follows: str | None = None,
 ) -> Op:
     """Register the custom op ``name`` (``"compilepack::..."``), its backward op, fakes and autograd.
 
@@ -107,13 +111,19 @@ def define_op(
         boundaries: the inputs that hold document boundaries (``cu_seqlens``, its host copy ``cu_seqlens_cpu``,
             ``seq_idx``): the forward refuses them when they decrease, before any compute, where they can be read
             for free: on the host, and from the host copy when one is given (``batch.rules.refuse_steps_back``).
+        kind: the op kind ``patch(backend={kind: ...})`` names this op by, with the other ops its libraries serve.
+        follows: the op whose backend choice this helper op takes (``"varlen_attention"`` for its ``_kv`` form);
+            default: its own name without the namespace. The kernels are what ``patch()`` chooses among
+            (``backends.declare``), so an op's candidates are declared here and nowhere else.
     """
+    backend_op = follows or name.removeprefix("compilepack::")
+    backends.declare(backend_op, kernels or {}, kind)
     parameters = _op_parameters(name, signature, differentiable + boundaries)
     names = [p.name for p in parameters]
     grad_positions = tuple(names.index(n) for n in differentiable)
     boundary_inputs = tuple((names.index(n), n) for n in boundaries)
-    paths = _Paths(name, reference, dict(kernels or {}), kernel_applies, grad_positions, boundary_inputs,
-                   len(outputs))
+    paths = _Paths(name, backend_op, reference, dict(kernels or {}), kernel_applies, grad_positions,
+                   boundary_inputs, len(outputs))
 
     # 1. the forward op, ``(*inputs) -> (*outputs, saved)``, and its fake
     forward_op = _custom_op(name, paths.forward, parameters, tuple[(Tensor,) * len(outputs) + (list[Tensor],)])
@@ -134,7 +144,7 @@ def define_op(
     # 3. autograd: the forward op saves its inputs, ``saved`` (and ``out``); its gradient is the backward op
     autograd = _Autograd(backward_op, len(parameters), grad_positions, len(outputs), saves_output)
     forward_op.register_autograd(autograd.backward, setup_context=autograd.setup_context)
-    return Op(name, forward_op, backward_op, paths.path_of)
+    return Op(name, forward_op, backward_op, paths.path_of, backend_op)
 
 
 def _op_parameters(name: str, signature: Callable, named: tuple[str, ...]) -> list[inspect.Parameter]:
@@ -154,6 +164,7 @@ class _Paths:
     Every method takes the op's inputs with the ``backend`` string last, as the registered ops receive them."""
 
     name: str
+    backend_op: str
     reference: Path
     kernels: Mapping[str, Path]
     kernel_applies: Callable[..., bool] | None
@@ -163,7 +174,7 @@ class _Paths:
 
     def path_of(self, *inputs) -> Path:
         backend = inputs[-1]
-        _check_backend(self.name, backend)
+        _check_backend(self.name, self.backend_op, backend)
         kernel = self.kernels.get(backend)
         if kernel is None or not backends.use_kernel(inputs[0], backend):
             return self.reference
@@ -270,10 +281,10 @@ def _parameter(name: str, annotation) -> inspect.Parameter:
     return inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=annotation)
 
 
-def _check_backend(name: str, backend: str) -> None:
-    known = {backends.REFERENCE, *(b for kind in backends.CANDIDATES.values() for b in kind)}
+def _check_backend(name: str, backend_op: str, backend: str) -> None:
+    known = backends.candidates(backend_op)
     if backend not in known:
-        raise ValueError(f"{name}: unknown backend {backend!r}; expected one of {sorted(known)}.")
+        raise ValueError(f"{name}: unknown backend {backend!r}; expected one of {list(known)}.")
 
 
 def _autocast_off(like: Tensor):

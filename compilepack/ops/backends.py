@@ -5,9 +5,10 @@ uses the library named here when it is installed. Libraries are imported lazily,
 compilepack never imports a CUDA-only package.
 
 A library older than its floor (``FLOORS``: the oldest release without a reported varlen bug that compilepack
-cannot guard against, see docs/kernels.md), or one known to be wrong on this GPU and compiler, is refused: skipped
-with a warning under ``"auto"``, an error when asked for by name. Only the op kinds a model's family uses are
-resolved and checked. Versions are read from installed packages' metadata, without importing them.
+cannot guard against, see docs/kernels.md), or one known to be wrong on this GPU and compiler for an op, is refused:
+skipped with a warning under ``"auto"``, an error when asked for by name. Each op declares its libraries where it is
+defined (``define_op(kernels=...)``); only the ops a model's family runs are resolved and checked. Versions are read
+from installed packages' metadata, without importing them.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import os
 import shutil
 import sys
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import ModuleType
 
@@ -31,13 +32,51 @@ from ..errors import KernelSkippedWarning, KernelVersionError
 
 REFERENCE = "reference"
 
-# op kind -> candidate backends on CUDA, best first. "torch_varlen" is torch's own varlen attention.
-CANDIDATES: dict[str, tuple[str, ...]] = {
-    "attention": ("flash_attn", "torch_varlen", REFERENCE),
-    "conv": ("causal_conv1d", REFERENCE),
-    "delta_rule": ("fla", REFERENCE),  # the gated delta rule and Kimi delta attention
-    "ssd": ("mamba_ssm", REFERENCE),
-}
+
+@dataclasses.dataclass(frozen=True)
+class OpKernels:
+    """What one op's ``define_op(kernels=...)`` declared: its CUDA candidates, best first, the reference last, and
+    the op kind (``"attention"``, ``"conv"``, ``"delta_rule"``, ``"ssd"``) that ``patch(backend={kind: ...})``
+    names it by together with the other ops the same libraries serve (None: an op without a kernel)."""
+
+    candidates: tuple[str, ...]
+    kind: str | None
+
+
+# op name (``compilepack::<name>``) -> its kernels; filled by ``define_op`` when compilepack.ops is imported (which
+# importing this module does first: it is compilepack.ops' submodule)
+OPS: dict[str, OpKernels] = {}
+
+
+def declare(op: str, kernels: Iterable[str], kind: str | None) -> None:
+    """Record ``op``'s kernel libraries (best first) and its kind. The helper forms of an op (its ``_kv`` and
+    ``_state`` ops) follow the op's choice: they declare the same libraries, and its kind or none."""
+    declared = OpKernels((*kernels, REFERENCE), kind)
+    first = OPS.setdefault(op, declared)
+    if first.candidates != declared.candidates or kind not in (None, first.kind):
+        raise TypeError(f"op {op!r} is declared twice, differently: {first} and {declared}.")
+
+
+def candidates(op: str) -> tuple[str, ...]:
+    """The backends ``op`` can run on CUDA, best first, the reference last."""
+    return _kernels(op).candidates
+
+
+def ops_of_kind(kind: str) -> tuple[str, ...]:
+    """The ops a kind names in ``patch(backend={kind: ...})``, in declaration order."""
+    return tuple(op for op, declared in OPS.items() if declared.kind == kind)
+
+
+def kinds() -> tuple[str, ...]:
+    return tuple(dict.fromkeys(declared.kind for declared in OPS.values() if declared.kind is not None))
+
+
+def _kernels(op: str) -> OpKernels:
+    try:
+        return OPS[op]
+    except KeyError:
+        raise ValueError(f"unknown op {op!r}; compilepack's ops are {sorted(OPS)}.") from None
+
 
 # backend name -> importable module that proves it is installed
 _PROBE_MODULE = {
@@ -96,27 +135,42 @@ FLOORS: dict[str, Floor] = {
 # at patch() time instead (seen on the lent H200, 2026-12-04: Triton 3.6.0, every gated-delta-rule layout refused by
 # fla in the backward)
 _FLA_HOPPER_TRITON = (Version("3.4.0"), Version("3.7.1"))
+# the ops whose fla backward calls chunk_bwd_dqkwg with a gate: the gated delta rule's. KDA's backward has its own
+# kernels (fla/ops/kda) and passed every layout on that H200, so Kimi Linear keeps fla there
+_FLA_640_OPS = frozenset({"gated_delta_rule_varlen"})
 
 
-@dataclasses.dataclass(frozen=True)
 class Backends:
-    """The backend of each op kind (a name from ``CANDIDATES``), used when the op's tensors are on CUDA."""
+    """The backend each op runs on CUDA (op name -> one of its :func:`candidates`), chosen once at ``patch()`` time;
+    an op not named runs its reference. Immutable and hashable: patched forwards are built once per choice."""
 
-    attention: str = REFERENCE
-    conv: str = REFERENCE
-    delta_rule: str = REFERENCE
-    ssd: str = REFERENCE
-    # compilepack.distributed.ContextParallel when patched with context_parallel=: every sequence mixer then runs
-    # head-parallel between two all-to-alls over its group, over tokens, or both, as its mode says (None: no context
-    # parallelism)
-    cp_group: object = None
+    __slots__ = ("_choices",)
+
+    def __init__(self, choices: Mapping[str, str] | None = None):
+        choices = dict(choices or {})
+        for op, backend in choices.items():
+            if backend not in candidates(op):
+                raise ValueError(f"backend for {op!r} must be one of {candidates(op)}, got {backend!r}.")
+        self._choices = tuple(sorted((op, b) for op, b in choices.items() if b != REFERENCE))
+
+    def __getitem__(self, op: str) -> str:
+        _kernels(op)  # an op name nothing declared is a typo, never silently the reference
+        return dict(self._choices).get(op, REFERENCE)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Backends) and self._choices == other._choices
+
+    def __hash__(self) -> int:
+        return hash(self._choices)
+
+    def __reduce__(self):
+        return Backends, (dict(self._choices),)
+
+    def __repr__(self) -> str:
+        return f"Backends({dict(self._choices)!r})"
 
     def describe(self) -> str:
-        kinds = [f.name for f in dataclasses.fields(self) if f.name != "cp_group"]
-        text = ", ".join(f"{kind}={getattr(self, kind)}" for kind in kinds)
-        if self.cp_group is not None:
-            text += f", cp_group={self.cp_group.describe()}"
-        return text
+        return ", ".join(f"{op}={backend}" for op, backend in self._choices) or "the references everywhere"
 
 
 def is_installed(backend: str) -> bool:
@@ -137,24 +191,24 @@ def installed_version(backend: str) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class Refusal:
-    """Why ``backend`` cannot run op kind ``kind`` on this machine, and the fix on the library's side."""
+    """Why ``backend`` cannot run ``op`` on this machine, and the fix on the library's side."""
 
-    kind: str
+    op: str
     backend: str
     why: str  # what was found and what compilepack needs
     fix: str  # the install that fixes it
 
     def describe(self) -> str:
-        return f"{self.backend} for {self.kind!r}: {self.why}. Fix: {self.fix}"
+        return f"{self.backend} for {self.op!r}: {self.why}. Fix: {self.fix}"
 
 
-def refusal(backend: str, kind: str) -> Refusal | None:
-    """Why ``backend`` is refused for ``kind`` here (below its floor, or wrong on this GPU and compiler); None when
+def refusal(backend: str, op: str) -> Refusal | None:
+    """Why ``backend`` is refused for ``op`` here (below its floor, or wrong on this GPU and compiler); None when
     it is admitted. Read from package metadata and the first CUDA device, never by importing the library."""
-    return _below_floor(backend, kind) or _wrong_on_this_platform(backend, kind)
+    return _below_floor(backend, op) or _wrong_on_this_platform(backend, op)
 
 
-def _below_floor(backend: str, kind: str) -> Refusal | None:
+def _below_floor(backend: str, op: str) -> Refusal | None:
     floor = FLOORS.get(backend)
     if floor is None:
         return None
@@ -167,20 +221,20 @@ def _below_floor(backend: str, kind: str) -> Refusal | None:
         return None
     seen = f"{floor.distributions[0]} {found} is installed" if found else (
         f"the version of the installed {backend} cannot be read (no {floor.distributions[0]} package metadata)")
-    return Refusal(kind, backend, f"{seen}, and compilepack needs {floor.distributions[0]} >= {floor.version} "
+    return Refusal(op, backend, f"{seen}, and compilepack needs {floor.distributions[0]} >= {floor.version} "
                    f"({floor.why})", floor.upgrade)
 
 
-def _wrong_on_this_platform(backend: str, kind: str) -> Refusal | None:
+def _wrong_on_this_platform(backend: str, op: str) -> Refusal | None:
     """fla's gated backward on Hopper with Triton 3.4 to 3.7.0 (fla #640), where fla itself would raise: that is,
     unless fla's TileLang kernel replaces the Triton one (:func:`fla_tilelang_runs`)."""
-    if backend != "fla" or _cuda_capability_major() != 9 or fla_tilelang_runs():
+    if backend != "fla" or op not in _FLA_640_OPS or _cuda_capability_major() != 9 or fla_tilelang_runs():
         return None
     triton = _distribution_version("triton")
     low, high = _FLA_HOPPER_TRITON
     if triton is None or not low <= triton < high:
         return None
-    return Refusal(kind, backend, (
+    return Refusal(op, backend, (
         f"Triton {triton} is installed, and fla's gated backward (chunk_bwd_dqkwg, used by the gated delta rule) is "
         f"wrong with Triton >= {low} and < {high} on Hopper (fla #640; fla raises at the first backward), and fla's "
         f"TileLang replacement of it does not run here ({_why_no_tilelang()})"
@@ -251,40 +305,42 @@ def _distribution_version(distribution: str) -> Version | None:
         return None
 
 
-def resolve(backend: str | dict[str, str] | Backends = "auto", kinds: Iterable[str] | None = None) -> Backends:
-    """Turn the user's ``backend=`` argument into a :class:`Backends`, for the op kinds ``kinds`` (those a model's
-    family uses; None: every kind). Kinds outside ``kinds`` stay on the reference and are never checked: a model is
-    not refused for an op it does not run.
+def resolve(backend: str | dict[str, str] | Backends = "auto", ops: Iterable[str] | None = None) -> Backends:
+    """Turn the user's ``backend=`` argument into a :class:`Backends`, for the ops ``ops`` (those a model's family
+    runs; None: every op). Ops outside ``ops`` stay on the reference and are never checked: a model is not refused
+    for an op it does not run.
 
-    ``"auto"`` picks, per op kind, the first installed candidate that compilepack admits here; a candidate it refuses
+    ``"auto"`` picks, per op, the first installed candidate that compilepack admits here; a candidate it refuses
     (``refusal``: below its floor, or wrong on this GPU) is skipped, with one :class:`KernelSkippedWarning` naming
-    every skipped one, why, and the fix. ``"reference"`` forces the pure-torch reference everywhere; a dict names
-    single kinds (``{"attention": "torch_varlen"}``), the rest auto. A library named explicitly that compilepack
-    refuses raises :class:`KernelVersionError`, one error naming every refused kind: an old or broken kernel is
-    never used silently, and one asked for is never silently swapped for another.
+    every skipped one, why, and the fix. ``"reference"`` forces the pure-torch reference everywhere. A dict names
+    op kinds (``{"attention": "torch_varlen"}``: every op of the kind) or single ops
+    (``{"gated_delta_rule_varlen": "reference"}``, which wins over its kind's entry); the rest is auto. A library
+    named explicitly that compilepack refuses raises :class:`KernelVersionError`, one error naming every refused
+    op: an old or broken kernel is never used silently, and one asked for is never silently swapped for another.
     """
     if isinstance(backend, Backends):
         return backend
     if backend == REFERENCE:
         return Backends()
-    used = tuple(CANDIDATES) if kinds is None else tuple(dict.fromkeys(kinds))
-    overrides = _overrides(backend)
+    used = tuple(OPS) if ops is None else tuple(dict.fromkeys(ops))
+    asked = _asked(backend)
     chosen, refused, skipped = {}, [], []
-    for kind in used:
-        if kind in overrides:
-            chosen[kind] = overrides[kind]
-            refused += [r for r in [refusal(overrides[kind], kind)] if r]
+    for op in used:
+        if op in asked:
+            chosen[op] = asked[op]
+            refused += [r for r in [refusal(asked[op], op)] if r]
         else:
-            chosen[kind], passed_over = best_admitted(kind)
+            chosen[op], passed_over = best_admitted(op)
             skipped += passed_over
     _raise_refused(refused)
     if skipped:  # one warning for all of them; Python's filters show it once per place patch() is called from
         warnings.warn(_skipped_message(skipped, chosen), KernelSkippedWarning, stacklevel=3)
-    return Backends(**chosen)
+    return Backends(chosen)
 
 
-def _overrides(backend: str | dict[str, str]) -> dict[str, str]:
-    """``backend=``'s per-kind choices, each checked to be a candidate of a known kind and installed."""
+def _asked(backend: str | dict[str, str]) -> dict[str, str]:
+    """``backend=``'s choices per op: kinds expanded to their ops, then single ops over them; each checked to be a
+    candidate of the op and installed."""
     if backend == "auto":
         return {}
     if not isinstance(backend, dict):
@@ -292,55 +348,82 @@ def _overrides(backend: str | dict[str, str]) -> dict[str, str]:
             f"backend={backend!r} is not understood: expected 'auto', 'reference', a dict such as "
             f"{{'attention': 'torch_varlen'}}, or a compilepack.ops.backends.Backends."
         )
-    overrides = dict(backend)
-    unknown = sorted(set(overrides) - set(CANDIDATES))
+    unknown = sorted(set(backend) - set(kinds()) - set(OPS))
     if unknown:
-        raise ValueError(f"unknown op kinds in backend=: {unknown}; expected {sorted(CANDIDATES)}.")
-    for kind, name in overrides.items():
-        if name not in CANDIDATES[kind]:
-            raise ValueError(f"backend for {kind!r} must be one of {CANDIDATES[kind]}, got {name!r}.")
+        raise ValueError(f"unknown keys in backend=: {unknown}; expected op kinds {list(kinds())} or ops "
+                         f"{sorted(OPS)}.")
+    asked = {op: name for key, name in backend.items() if key not in OPS for op in ops_of_kind(key)}
+    asked |= {key: name for key, name in backend.items() if key in OPS}
+    for op, name in asked.items():
+        if name not in candidates(op):
+            raise ValueError(f"backend for {op!r} must be one of {candidates(op)}, got {name!r}.")
         if not is_installed(name):
-            raise ValueError(f"backend {name!r} for {kind!r} is not installed; install it or use 'auto'.")
-    return overrides
+            raise ValueError(f"backend {name!r} for {op!r} is not installed; install it or use 'auto'.")
+    return asked
 
 
-def best_admitted(kind: str, after: str | None = None) -> tuple[str, list[Refusal]]:
-    """The first installed candidate for ``kind`` (past ``after`` when given) that compilepack admits here, and the
+def best_admitted(op: str, after: str | None = None) -> tuple[str, list[Refusal]]:
+    """The first installed candidate for ``op`` (past ``after`` when given) that compilepack admits here, and the
     installed ones it refused on the way. The reference is always admitted."""
-    candidates = CANDIDATES[kind]
-    start = 0 if after is None else candidates.index(after) + 1
+    names = candidates(op)
+    start = 0 if after is None else names.index(after) + 1
     passed_over = []
-    for name in candidates[start:]:
+    for name in names[start:]:
         if not is_installed(name):
             continue
-        refused = refusal(name, kind)
+        refused = refusal(name, op)
         if refused is None:
             return name, passed_over
         passed_over.append(refused)
-    raise AssertionError(f"no admitted backend for {kind!r}")  # unreachable: the reference is last
+    raise AssertionError(f"no admitted backend for {op!r}")  # unreachable: the reference is last
 
 
 def _raise_refused(refused: list[Refusal]) -> None:
     if not refused:
         return
-    instead = {r.kind: best_admitted(r.kind, after=r.backend)[0] for r in refused}
-    libraries = "a kernel library" if len(refused) == 1 else f"{len(refused)} kernel libraries"
+    described = _described(refused)
+    instead = in_user_terms({r.op: best_admitted(r.op, after=r.backend)[0] for r in refused})
+    libraries = "a kernel library" if len(described) == 1 else f"{len(described)} kernel libraries"
     raise KernelVersionError(
-        f"compilepack refuses {libraries} asked for on this machine (CUDA): "
-        + "; ".join(r.describe() for r in refused)
-        + f". Or run without {'it' if len(refused) == 1 else 'them'}: compilepack.patch(model, backend={instead!r}). "
+        f"compilepack refuses {libraries} asked for on this machine (CUDA): " + "; ".join(described)
+        + f". Or run without {'it' if len(described) == 1 else 'them'}: compilepack.patch(model, backend={instead!r}). "
         "See docs/kernels.md."
     )
 
 
 def _skipped_message(skipped: list[Refusal], chosen: dict[str, str]) -> str:
-    parts = [f"{r.describe()} (runs {chosen[r.kind]!r} instead)" for r in skipped]
-    settle = {r.kind: chosen[r.kind] for r in skipped}
+    parts = [f"{text} (runs {chosen[ops[0]]!r} instead)" for text, ops in _described(skipped, with_ops=True)]
+    settle = in_user_terms({r.op: chosen[r.op] for r in skipped})
     return (
         "compilepack skipped kernel libraries it refuses on this machine (CUDA): " + "; ".join(parts)
         + f". To choose this explicitly (and silence this warning): compilepack.patch(model, backend={settle!r}). "
         "See docs/kernels.md."
     )
+
+
+def _described(refusals: list[Refusal], with_ops: bool = False) -> list:
+    """One text per library refused for the same reason, naming its ops as users name them (``'delta_rule'`` when
+    it is refused for every op of that kind)."""
+    groups: dict[tuple[str, str, str], list[str]] = {}
+    for r in refusals:
+        groups.setdefault((r.backend, r.why, r.fix), []).append(r.op)
+    texts = []
+    for (backend, why, fix), ops in groups.items():
+        text = f"{backend} for {', '.join(map(repr, in_user_terms(dict.fromkeys(ops, backend))))}: {why}. Fix: {fix}"
+        texts.append((text, ops) if with_ops else text)
+    return texts
+
+
+def in_user_terms(per_op: dict[str, str]) -> dict[str, str]:
+    """``per_op`` (op -> backend) as ``patch(backend=...)`` is written: the ops of a kind that all take one backend
+    become the kind (``{"delta_rule": "reference"}``), the others stay single ops."""
+    whole = {kind for kind in kinds() if len({per_op.get(op) for op in ops_of_kind(kind)} - {None}) == 1
+             and all(op in per_op for op in ops_of_kind(kind))}
+    written = {}
+    for op, backend in per_op.items():
+        kind = _kernels(op).kind
+        written[kind if kind in whole else op] = backend
+    return written
 
 
 @functools.cache

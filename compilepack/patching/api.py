@@ -28,23 +28,24 @@ class PatchedForward:
     """The instance ``forward`` that :func:`patch` sets on a module: compilepack's forward bound to that module.
 
     It behaves like the bound method it replaces (same call, same ``inspect.signature`` as the stock forward) and
-    also records how it was made (family, backends). That is what lets it survive pickling: a bound method pickles
-    by name, as ``getattr(module, "forward")``, and so comes back as the class's stock forward; this one pickles
-    as "compilepack's forward of this family for this module" and is rebuilt from the registry when loaded
+    also records how it was made (family, backends, context-parallel group). That is what lets it survive pickling:
+    a bound method pickles by name, as ``getattr(module, "forward")``, and so comes back as the class's stock
+    forward; this one pickles as "compilepack's forward of this family for this module" and is rebuilt from the
+    registry when loaded
     (pickle, ``torch.save``/``torch.load``, ``copy.deepcopy``, multiprocessing: any pickler that honours
     ``__reduce__``).
     """
 
-    __slots__ = ("function", "module", "family", "backends")
+    __slots__ = ("function", "module", "family", "backends", "cp")
 
-    def __init__(self, function, module: torch.nn.Module, family: str, backends: _backends.Backends):
-        self.function, self.module, self.family, self.backends = function, module, family, backends
+    def __init__(self, function, module: torch.nn.Module, family: str, backends: _backends.Backends, cp=None):
+        self.function, self.module, self.family, self.backends, self.cp = function, module, family, backends, cp
 
     def __call__(self, *args, **kwargs):
         return self.function(self.module, *args, **kwargs)
 
     def __reduce__(self):
-        return _rebound_forward, (self.module, self.family, self.backends)
+        return _rebound_forward, (self.module, self.family, self.backends, self.cp)
 
     @property
     def __func__(self):  # as on a bound method, for tools that read it
@@ -68,6 +69,7 @@ class PatchState:
 
     family: str
     backends: _backends.Backends
+    cp: ContextParallel | None  # the group patch(context_parallel=...) was given, as a ContextParallel
     modules: tuple[torch.nn.Module, ...]  # the modules that run compilepack's forward (possibly under a wrapper)
 
 
@@ -120,29 +122,29 @@ def patch(
         )
     _check_extensions(lm_head=lm_head)
     family = family_of(model)
-    chosen = _backends.resolve(backend, kinds=family.op_kinds)
-    if context_parallel is not None:
-        chosen = _with_context_parallel(model, family, chosen, context_parallel)
-    forwards = build_forwards(family, chosen)
+    chosen = _backends.resolve(backend, ops=family.ops)
+    cp = None if context_parallel is None else _context_parallel(model, family, context_parallel)
+    forwards = build_forwards(family, chosen, cp)
     targets = [(m, forward) for m in model.modules() if (forward := _forward_for(type(m), forwards)) is not None]
     state = patch_state(model)
     if state is not None:
-        if (state.family, state.backends, _ids(state.modules)) == (family.name, chosen, _ids(m for m, _ in targets)):
+        if (state.family, state.backends, state.cp, _ids(state.modules)) == (
+                family.name, chosen, cp, _ids(m for m, _ in targets)):
             return _install_extensions(model, lm_head=lm_head)
         _unpatch_layers(model, state)  # another backend, or a partial patch: its layers from stock, the head kept
     _turn_off_hub_kernels(model)
     _refuse_foreign_forwards([m for m, _ in targets])
     _refuse_kernelized([m for m, _ in targets])
     for module, forward in targets:
-        module.forward = PatchedForward(forward, module, family.name, chosen)
+        module.forward = PatchedForward(forward, module, family.name, chosen, cp)
     return _install_extensions(model, lm_head=lm_head)
 
 
-def _with_context_parallel(model, family, chosen: _backends.Backends, group_or_mesh) -> _backends.Backends:
-    """``chosen`` with the context-parallel group, after checking the model can be split over it."""
+def _context_parallel(model, family, group_or_mesh) -> ContextParallel:
+    """The context-parallel group, after checking the model can be split over it."""
     cp = ContextParallel.of(group_or_mesh)
     check_model(model, family, cp)
-    return dataclasses.replace(chosen, cp_group=cp)
+    return cp
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
@@ -180,12 +182,13 @@ def is_patched(model: torch.nn.Module) -> bool:
 
 
 def patch_state(model: torch.nn.Module) -> PatchState | None:
-    """The family, backends and modules of ``model``'s patch, read from its forwards; None when none is patched."""
+    """The family, backends, group and modules of ``model``'s patch, read from its forwards; None when none is
+    patched."""
     found = [(m, forward) for m in model.modules() if (forward := _ours_within(m.__dict__.get("forward")))]
     if not found:
         return None
     first = found[0][1]
-    return PatchState(first.family, first.backends, tuple(m for m, _ in found))
+    return PatchState(first.family, first.backends, first.cp, tuple(m for m, _ in found))
 
 
 @contextlib.contextmanager
@@ -200,17 +203,17 @@ def patched(model: torch.nn.Module, *, backend: str | dict | _backends.Backends 
             unpatch(model)
 
 
-def _rebound_forward(module: torch.nn.Module, family: str, backends: _backends.Backends) -> PatchedForward:
+def _rebound_forward(module: torch.nn.Module, family: str, backends: _backends.Backends, cp=None) -> PatchedForward:
     """Unpickling a :class:`PatchedForward`: the functions :func:`patch` made cannot be pickled by reference, so
     they are looked up again (the registry caches them). ``module`` may still be empty here (pickle fills its
     ``__dict__`` after rebuilding what it holds); only its class is read."""
-    forward = _forward_for(type(module), build_forwards(family_named(family), backends))
+    forward = _forward_for(type(module), build_forwards(family_named(family), backends, cp))
     if forward is None:
         raise IncompatibleTransformersError(
             f"cannot restore compilepack's forward of {type(module).__name__}: the {family} family no longer patches "
             "that class in this installation. Unpatch before pickling, or load with the same compilepack."
         )
-    return PatchedForward(forward, module, family, backends)
+    return PatchedForward(forward, module, family, backends, cp)
 
 
 def _forward_for(cls: type, forwards: dict):

@@ -24,19 +24,20 @@ from .family import Family
 from .rebind import global_loads, innermost, install, named_calls, with_globals
 
 
-def build_forwards(family: Family, backends: Backends) -> dict[type, Callable]:
-    """class -> the patched forward for it, checking the installed transformers first."""
+def build_forwards(family: Family, backends: Backends, cp=None) -> dict[type, Callable]:
+    """class -> the patched forward for it, checking the installed transformers first. ``cp``: the model's
+    ``ContextParallel`` (None: no context parallelism)."""
     if not family.available:
         raise _incompatible(family, "this family is not supported")
     stock = _import_modeling(family)
     classes = {name: _class(family, stock, name) for name in family.class_names}
-    return _patched_forwards(family, backends, tuple((name, cls, cls.forward) for name, cls in classes.items()))
+    return _patched_forwards(family, backends, cp, tuple((name, cls, cls.forward) for name, cls in classes.items()))
 
 
 @functools.cache
-def _patched_forwards(family: Family, backends: Backends, classes: tuple) -> dict[type, Callable]:
-    """Cached per family, backends and the classes' current forwards (a class-level patch made later by another
-    tool gives a fresh copy of the new forward)."""
+def _patched_forwards(family: Family, backends: Backends, cp, classes: tuple) -> dict[type, Callable]:
+    """Cached per family, backends, group and the classes' current forwards (a class-level patch made later by
+    another tool gives a fresh copy of the new forward)."""
     stock = _import_modeling(family)
     by_name = {name: cls for name, cls, _ in classes}
     decoder_cls = by_name[family.decoder]
@@ -58,10 +59,11 @@ def _patched_forwards(family: Family, backends: Backends, classes: tuple) -> dic
         plan.setdefault(by_name[class_name], ())
     threaded = {cls: _threaded_calls(family, stock, cls, vias.get(cls, set()), dropped.get(cls, set())) for cls in plan}
     everything = {r.global_name: r for needed in plan.values() for r in needed}
-    built = {name: _build(family, stock, r, backends) for name, r in everything.items()}
-    renames = install(stock, _key(backends), built)
+    built = {name: _build(family, stock, r, backends, cp) for name, r in everything.items()}
+    renames = install(stock, _key(backends, cp), built)
     helpers = set().union(*vias.values())
-    renames |= install(stock, _key(backends), {name: _rebound_helper(family, stock, name, renames) for name in helpers})
+    renames |= install(stock, _key(backends, cp), {name: _rebound_helper(family, stock, name, renames)
+                                                   for name in helpers})
     forwards = {}
     for cls, needed in plan.items():
         own = {r.global_name: renames[r.global_name] for r in needed}
@@ -72,13 +74,12 @@ def _patched_forwards(family: Family, backends: Backends, classes: tuple) -> dic
             raise IncompatibleTransformersError(f"cannot patch {family.name}: {error}") from error
     forwards[decoder_cls] = packed_decoder_forward(
         forwards[decoder_cls], decoder_cls.forward, _parameter_names(decoder_cls.forward),
-        stock_packs_positions=family.stock_packs_positions, cp_group=backends.cp_group,
+        stock_packs_positions=family.stock_packs_positions, cp_group=cp,
     )
     for class_name in family.entries:
         cls = by_name[class_name]
         own = forwards.get(cls, cls.forward)  # an entry may also thread boundaries into its calls
-        forwards[cls] = packed_decoder_forward(own, cls.forward, _parameter_names(cls.forward),
-                                               cp_group=backends.cp_group)
+        forwards[cls] = packed_decoder_forward(own, cls.forward, _parameter_names(cls.forward), cp_group=cp)
     return forwards
 
 
@@ -157,12 +158,14 @@ def function_behind(kernel: object) -> Callable | None:
     return wrapped if isinstance(wrapped, types.FunctionType) else None
 
 
-def _key(backends: Backends) -> str:
-    """A short identifier of a backend choice, for the private global names (``__compilepack_<key>_<name>``)."""
-    return "b" + hashlib.sha1(backends.describe().encode()).hexdigest()[:8]
+def _key(backends: Backends, cp) -> str:
+    """A short identifier of a backend choice and group, for the private global names
+    (``__compilepack_<key>_<name>``)."""
+    chosen = backends.describe() + ("" if cp is None else f", cp_group={cp.describe()}")
+    return "b" + hashlib.sha1(chosen.encode()).hexdigest()[:8]
 
 
-def _build(family: Family, stock: types.ModuleType, replacement: R.Replacement, backends: Backends):
+def _build(family: Family, stock: types.ModuleType, replacement: R.Replacement, backends: Backends, cp):
     original = getattr(stock, replacement.global_name, None)
     if original is None:
         raise _incompatible(family, f"{stock.__name__}.{replacement.global_name} does not exist")
@@ -171,7 +174,7 @@ def _build(family: Family, stock: types.ModuleType, replacement: R.Replacement, 
         absent = [p for p in replacement.expected_params if not params & set((p,) if isinstance(p, str) else p)]
         if absent:
             raise _incompatible(family, f"{replacement.global_name}() lost parameters {absent}")
-    return replacement.make(original, backends)
+    return replacement.make(original, backends, cp)
 
 
 def _import_modeling(family: Family) -> types.ModuleType:

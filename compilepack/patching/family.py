@@ -153,9 +153,9 @@ class Family:
         return "; ".join([*dict.fromkeys(texts), *note])
 
     @property
-    def op_kinds(self) -> tuple[str, ...]:
-        """The op kinds whose CUDA backend this family's layers run (``Backends`` fields), in declaration order."""
-        return tuple(dict.fromkeys(kind for needed in self.layers.values() for r in needed for kind in r.kinds))
+    def ops(self) -> tuple[str, ...]:
+        """The ops whose CUDA backend this family's layers run (``Backends`` keys), in declaration order."""
+        return tuple(dict.fromkeys(op for needed in self.layers.values() for r in needed for op in r.ops))
 
     @property
     def served_model_types(self) -> tuple[str, ...]:

@@ -2,7 +2,7 @@
 
 Each :class:`Replacement` names one global that stock forwards call (``causal_conv1d_fn``, ...), the parameters
 the stock function must have (checked at ``patch()`` time against the installed transformers), and a factory
-that builds compilepack's version from the stock object and the chosen backends.
+that builds compilepack's version from the stock object, the chosen backends and the context-parallel group.
 
 Every replacement keeps stock behaviour for batches without boundaries (padded batches, generation with a
 cache) and switches to compilepack's boundary-aware op when the batch carries them: it reads the boundaries the
@@ -47,7 +47,8 @@ class Replacement:
     """A transformers module global that compilepack swaps inside patched forwards."""
 
     global_name: str
-    make: Callable[[object, Backends], object]
+    # (the stock object, the backends, the model's ContextParallel or None) -> compilepack's object
+    make: Callable[[object, Backends, object], object]
     # the stock function must accept these; an entry may be a tuple of names a release may use instead of each
     # other (empty: not a function)
     expected_params: tuple[str | tuple[str, ...], ...] = ()
@@ -63,9 +64,9 @@ class Replacement:
     # a fused kernel a release may drop (transformers 5.25's FalconMamba has no ``mamba_inner_fn`` path): a forward
     # that no longer loads it has nothing to replace
     optional: bool = False
-    # the op kinds whose CUDA backend its ops run (``Backends`` fields): patch() resolves and checks only the kinds a
-    # family's replacements name, so no model is refused for a kernel library it would never call
-    kinds: tuple[str, ...] = ()
+    # the ops whose CUDA backend it runs (``Backends`` keys): patch() resolves and checks only the ops a family's
+    # replacements name, so no model is refused for a kernel library it would never call
+    ops: tuple[str, ...] = ()
 
 
 # ------------------------------------------------------------------------------------------------ the one branch
@@ -199,16 +200,16 @@ def _refuse_unsupported_attention(module, kwargs) -> None:
 
 
 ATTENTION = Replacement(
-    "ALL_ATTENTION_FUNCTIONS", lambda stock, b: PackedAttentionFunctions(stock, b.attention, b.cp_group),
+    "ALL_ATTENTION_FUNCTIONS", lambda stock, b, cp: PackedAttentionFunctions(stock, b["varlen_attention"], cp),
     kernels="attention: flash-attn varlen, else torch varlen_attn (CPU: per-document flash kernel)",
-    runs_sharded=True, kinds=("attention",),
+    runs_sharded=True, ops=("varlen_attention",),
 )
 
 
 # ------------------------------------------------------------------------------------------------ masks
 
 
-def _make_mask_creator(stock: Callable, backends: Backends) -> Callable:
+def _make_mask_creator(stock: Callable, backends: Backends, cp) -> Callable:
     def create_mask(config, inputs_embeds, attention_mask, cache=None, position_ids=None, **kwargs):
         cache = cache if cache is not None else kwargs.pop(CACHE_KEYS[1], None)
         if attention_mask is None and cache is None:
@@ -230,17 +231,17 @@ MASK_CREATORS = (CAUSAL_MASK, SLIDING_WINDOW_MASK)
 # ------------------------------------------------------------------------------------------------ causal conv1d
 
 
-def _make_causal_conv1d(stock: Callable, backends: Backends) -> Callable:
-    cp = backends.cp_group  # fixed at patch() time: a model without it never runs distributed code
+def _make_causal_conv1d(stock: Callable, backends: Backends, cp) -> Callable:
+    backend = backends["causal_conv1d_varlen"]  # like cp, fixed at patch() time
 
     def causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, seq_idx=None, **kwargs):
         args = (hidden_states, weight, bias)
         return _dispatch(
             _boundaries(kwargs, seq_idx), cp, "causal conv1d",
             stock=lambda: stock(*args, activation=activation),
-            op=lambda b: causal_conv1d_varlen(*args, b.seq_idx, activation, backend=backends.conv),
+            op=lambda b: causal_conv1d_varlen(*args, b.seq_idx, activation, backend=backend),
             # channel-parallel over the whole rows, or over tokens (a halo)
-            sharded=lambda b: causal_conv1d_sharded(*args, b.seq_idx, activation, backend=backends.conv, cp=cp),
+            sharded=lambda b: causal_conv1d_sharded(*args, b.seq_idx, activation, backend=backend, cp=cp),
         )
 
     return causal_conv1d_fn
@@ -249,7 +250,7 @@ def _make_causal_conv1d(stock: Callable, backends: Backends) -> Callable:
 CAUSAL_CONV1D = Replacement(
     "causal_conv1d_fn", _make_causal_conv1d, ("hidden_states", "weight", "bias", "activation"),
     kernels="conv: causal-conv1d causal_conv1d_fn(seq_idx)", runs_sharded=True, via=("causal_conv1d_forward",),
-    kinds=("conv",),
+    ops=("causal_conv1d_varlen",),
 )
 
 
@@ -258,14 +259,14 @@ CAUSAL_CONV1D = Replacement(
 
 def _delta_rule(
     global_name: str, varlen: Callable, sharded: Callable, what: str, stock_takes_kwargs: bool, kernels: str,
+    op: str,
 ) -> Replacement:
     """transformers' chunked delta rule ``global_name`` (``query, key, value, g, beta`` and its chunk, state and
     l2norm arguments): the stock function for batches without boundaries, compilepack's op ``varlen`` for packed
     ones, or its ``sharded`` form under context parallelism. ``stock_takes_kwargs``: the other keywords go to the
-    stock function too."""
+    stock function too. ``op``: the compilepack op ``varlen`` calls, whose backend it runs."""
 
-    def make(stock: Callable, backends: Backends) -> Callable:
-        cp = backends.cp_group
+    def make(stock: Callable, backends: Backends, cp) -> Callable:
 
         def chunk_delta_rule(
             query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
@@ -275,7 +276,7 @@ def _delta_rule(
 
             def options(b: PackedBoundaries) -> dict:
                 return dict(use_qk_l2norm=use_qk_l2norm_in_kernel, cu_seqlens_cpu=b.cu_seqlens_cpu,
-                            backend=backends.delta_rule)
+                            backend=backends[op])
 
             return _dispatch(
                 _boundaries(kwargs), cp, what,
@@ -294,27 +295,27 @@ def _delta_rule(
         return chunk_delta_rule
 
     expected = ("query", "key", "value", "g", "beta", "initial_state", "output_final_state", "use_qk_l2norm_in_kernel")
-    return Replacement(global_name, make, expected, kernels, runs_sharded=True, kinds=("delta_rule",))
+    return Replacement(global_name, make, expected, kernels, runs_sharded=True, ops=(op,))
 
 
 # Gated DeltaNet's delta rule (its layers also pass the boundaries as ``cu_seqlens``, for stock).
 GATED_DELTA_RULE = _delta_rule(
     "torch_chunk_gated_delta_rule", gated_delta_rule_varlen, gated_delta_rule_sharded, "gated delta rule",
     stock_takes_kwargs=False, kernels="delta rule: fla chunk_gated_delta_rule(cu_seqlens)",
+    op="gated_delta_rule_varlen",
 )
-# The KDA kernel of Kimi Linear, given the layer's kwargs; CUDA backend: the delta-rule kind's choice (fla serves
-# both).
+# The KDA kernel of Kimi Linear, given the layer's kwargs.
 KIMI_DELTA_ATTENTION = _delta_rule(
     "chunk_kimi_delta_attention", kimi_delta_attention_varlen, kimi_delta_attention_sharded,
     "Kimi delta attention", stock_takes_kwargs=True, kernels="KDA: fla chunk_kda(cu_seqlens)",
+    op="kimi_delta_attention_varlen",
 )
 
 
 # ------------------------------------------------------------------------------------------------ Mamba2 scan
 
 
-def _make_mamba2_chunk_scan(stock: Callable, backends: Backends) -> Callable:
-    cp = backends.cp_group
+def _make_mamba2_chunk_scan(stock: Callable, backends: Backends, cp) -> Callable:
 
     def mamba2_chunk_scan(
         hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None, dt_softplus=False,
@@ -322,7 +323,7 @@ def _make_mamba2_chunk_scan(stock: Callable, backends: Backends) -> Callable:
     ):
         args = (hidden_states, dt, A, B, C, chunk_size)
         options = dict(D=D, dt_bias=dt_bias, dt_softplus=dt_softplus)
-        packed = dict(options, dt_limit=tuple(dt_limit), backend=backends.ssd)
+        packed = dict(options, dt_limit=tuple(dt_limit), backend=backends["mamba2_chunk_scan_varlen"])
 
         def refuse():
             _refuse_state(initial_states is not None or return_final_states, "Mamba2 scan")
@@ -347,7 +348,7 @@ MAMBA2_CHUNK_SCAN = Replacement(
     _make_mamba2_chunk_scan,
     ("hidden_states", "dt", "A", "B", "C", "chunk_size", "D", "dt_bias", "initial_states", "dt_softplus", "dt_limit"),
     kernels="scan: mamba-ssm mamba_chunk_scan_combined(seq_idx)", runs_sharded=True, via=("mamba2_scan_forward",),
-    kinds=("ssd",),
+    ops=("mamba2_chunk_scan_varlen",),
 )
 
 
@@ -356,7 +357,7 @@ def _unfused_when_packed(global_name: str, expected_params: tuple[str, ...], run
     which is how the stock forward asks for its unfused path, whose conv and scan are compilepack's ops. Decided
     from static facts only (whether the boundaries are passed)."""
 
-    def make(stock: Callable, backends: Backends) -> Callable:
+    def make(stock: Callable, backends: Backends, cp) -> Callable:
         def unfused_when_packed(first, *args, seq_idx=None, **kwargs):
             if _boundaries(kwargs, seq_idx) is None:
                 return stock(first, *args, **kwargs)
@@ -381,7 +382,7 @@ MAMBA2_SPLIT_CONV1D_SCAN = _unfused_when_packed(
 # ------------------------------------------------------------------------------------------------ Mamba1 scan
 
 
-def _make_selective_scan(stock: Callable, backends: Backends) -> Callable:
+def _make_selective_scan(stock: Callable, backends: Backends, cp) -> Callable:
     def mamba_selective_scan(
         hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
         return_last_state=False, use_mambapy=False, use_associative_scan=False, seq_idx=None, **kwargs,
@@ -393,7 +394,8 @@ def _make_selective_scan(stock: Callable, backends: Backends) -> Callable:
             stock=lambda: stock(*args, return_last_state=return_last_state, use_mambapy=use_mambapy,
                                 use_associative_scan=use_associative_scan, **options),
             refuse=lambda: _refuse_state(return_last_state, "selective scan"),
-            op=lambda b: selective_scan_varlen(*args, seq_idx=b.seq_idx, backend=backends.ssd, **options),
+            op=lambda b: selective_scan_varlen(*args, seq_idx=b.seq_idx, backend=backends["selective_scan_varlen"],
+                                               **options),
         )
 
     return mamba_selective_scan
@@ -407,7 +409,7 @@ SELECTIVE_SCAN = Replacement(
     ("hidden_states", "dt", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus", "return_last_state"),
     kernels="selective scan: compilepack's reference on every device (mamba-ssm's selective scan cannot reset "
             "inside a row)",
-    via=("mamba_scan_forward",),
+    via=("mamba_scan_forward",), ops=("selective_scan_varlen",),
 )
 
 

@@ -35,6 +35,9 @@ from tests.families import build_tiny
 from tests.strategies import cu_seqlens_of, seq_idx_of
 
 ROOT = Path(__file__).resolve().parents[2]
+# the ops whose backends patch() chooses (Backends keys)
+ATTENTION, CONV, SSD = "varlen_attention", "causal_conv1d_varlen", "mamba2_chunk_scan_varlen"
+GDN, KDA = "gated_delta_rule_varlen", "kimi_delta_attention_varlen"
 
 
 def _grads(function, inputs):
@@ -260,7 +263,7 @@ def _installed(monkeypatch, versions: dict[str, str | None]):
 @pytest.mark.parametrize(("backend", "kind", "old", "floor", "instead"), [
     ("flash_attn", "attention", "2.6.3", "2.7.0", "torch_varlen"),
     ("causal_conv1d", "conv", "1.5.0.post8", "1.5.1", backends.REFERENCE),
-    ("fla", "delta_rule", "0.5.2", "0.6.0", backends.REFERENCE),
+    ("fla", "delta_rule", "0.5.2", "0.6.0", backends.REFERENCE),  # both delta rules, named as their kind
     ("mamba_ssm", "ssd", "2.2.2", "2.2.3", backends.REFERENCE),
     ("torch_varlen", "attention", "2.10.0+cu128", "2.11.0", backends.REFERENCE),
 ])
@@ -274,11 +277,12 @@ def test_a_library_below_its_floor_is_refused_by_name_and_skipped_by_auto(monkey
     assert f"{distribution} {old} is installed" in message and f"{distribution} >= {floor}" in message
     assert "pip install -U" in message and f"backend={{{kind!r}: {instead!r}}}" in message
     with pytest.warns(KernelSkippedWarning) as skipped:
-        assert getattr(backends.resolve("auto"), kind) == instead
+        chosen = backends.resolve("auto")
+    assert {chosen[op] for op in backends.ops_of_kind(kind)} == {instead}
     assert f"{distribution} {old} is installed" in str(skipped[0].message) and f"runs {instead!r}" in str(
         skipped[0].message)
     _installed(monkeypatch, {backend: floor})
-    assert getattr(backends.resolve("auto"), kind) == backend
+    assert {backends.resolve("auto")[op] for op in backends.ops_of_kind(kind)} == {backend}
     assert backends.resolve(backends.REFERENCE) == backends.Backends()
 
 
@@ -287,12 +291,12 @@ def test_a_library_of_unknown_version_is_refused(monkeypatch):
     with pytest.raises(backends.KernelVersionError, match="cannot be read"):
         backends.resolve({"delta_rule": "fla"})
     with pytest.warns(KernelSkippedWarning, match="cannot be read"):
-        assert backends.resolve("auto").delta_rule == backends.REFERENCE
-    assert backends.resolve({"delta_rule": backends.REFERENCE}).delta_rule == backends.REFERENCE
+        assert backends.resolve("auto")[GDN] == backends.REFERENCE
+    assert backends.resolve({"delta_rule": backends.REFERENCE})[GDN] == backends.REFERENCE
 
 
 def test_several_refused_libraries_are_named_in_one_error(monkeypatch):
-    """Following one refusal's fix must not lead to the next: every refused kind is in the one message, and so is
+    """Following one refusal's fix must not lead to the next: every refused op is in the one message, and so is
     the one ``backend=`` dict that runs without all of them."""
     _installed(monkeypatch, {"torch_varlen": "2.10.0", "fla": "0.5.2"})
     with pytest.raises(backends.KernelVersionError) as refusal:
@@ -302,17 +306,17 @@ def test_several_refused_libraries_are_named_in_one_error(monkeypatch):
     assert "backend={'attention': 'reference', 'delta_rule': 'reference'}" in message
 
 
-def test_kinds_outside_the_model_are_neither_resolved_nor_checked(monkeypatch):
+def test_ops_outside_the_model_are_neither_resolved_nor_checked(monkeypatch):
     _installed(monkeypatch, {"fla": "0.5.2", "causal_conv1d": "1.5.1"})
-    chosen = backends.resolve({"delta_rule": "fla"}, kinds=("attention", "conv"))  # asked for, but not used
-    assert chosen == backends.Backends(attention="torch_varlen", conv="causal_conv1d")
+    chosen = backends.resolve({"delta_rule": "fla"}, ops=(ATTENTION, CONV))  # asked for, but not used
+    assert chosen == backends.Backends({ATTENTION: "torch_varlen", CONV: "causal_conv1d"})
 
 
 def test_auto_gives_one_warning_naming_every_skip(monkeypatch):
     _installed(monkeypatch, {"mamba_ssm": "2.2.2", "causal_conv1d": "1.5.0"})
     with pytest.warns(KernelSkippedWarning) as skipped:
         backends.resolve("auto")
-    assert len(skipped) == 1 and "mamba_ssm for 'ssd'" in str(skipped[0].message)
+    assert len(skipped) == 1 and "mamba_ssm for 'ssd'" in str(skipped[0].message)  # the kind: its every op
     assert "causal_conv1d for 'conv'" in str(skipped[0].message)
 
 
@@ -366,7 +370,7 @@ def test_fla_on_hopper_with_a_triton_that_breaks_its_gated_backward_is_refused(m
                        match=r"Triton 3\.6\.0 is installed.*fla #640.*tilelang is not installed.*torch>=2\.12\.1"):
         backends.resolve({"delta_rule": "fla"})
     with pytest.warns(KernelSkippedWarning, match=r"fla #640.*runs 'reference' instead"):
-        assert backends.resolve("auto").delta_rule == backends.REFERENCE
+        assert backends.resolve("auto")[GDN] == backends.REFERENCE
 
 
 @pytest.mark.parametrize(("environment", "tilelang", "nvcc", "why"), [
@@ -404,7 +408,7 @@ def test_fla_tilelang_finds_nvcc_where_fla_looks(monkeypatch, no_fla_env, where)
 def test_fla_is_admitted_where_its_gated_backward_is_right(monkeypatch, no_fla_env, triton, tilelang, capability):
     _installed(monkeypatch, {"fla": "0.6.0"})
     _hopper_with(monkeypatch, triton, tilelang, capability)
-    assert backends.resolve("auto").delta_rule == "fla"
+    assert backends.resolve("auto")[GDN] == "fla"
 
 
 # ------------------------------------------------------------------------------------------------ the lent image
@@ -421,23 +425,25 @@ def lent_image(monkeypatch, no_fla_env):
 
 
 @pytest.mark.parametrize(("family", "expected"), [
-    ("llama", {"attention": "torch_varlen"}),
-    ("bamba", {"attention": "torch_varlen", "ssd": "mamba_ssm"}),
+    ("llama", {ATTENTION: "torch_varlen"}),
+    ("bamba", {ATTENTION: "torch_varlen", SSD: "mamba_ssm"}),
+    ("kimi_linear", {ATTENTION: "torch_varlen", KDA: "fla"}),  # KDA's backward is not #640's kernel
 ])
-def test_models_without_a_delta_rule_patch_on_the_lent_image_silently(lent_image, family, expected):
+def test_models_without_the_gated_delta_rule_patch_on_the_lent_image_silently(lent_image, family, expected):
     model = build_tiny(family_named(family))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         compilepack.patch(model)
-    assert patch_state(model).backends == backends.Backends(**expected)
+    assert patch_state(model).backends == backends.Backends(expected)
 
 
 def test_qwen3_5_patches_under_auto_with_one_warning_and_is_refused_fla_by_name(lent_image):
     model = build_tiny(family_named("qwen3_5"))
     with pytest.warns(KernelSkippedWarning) as skipped:
         compilepack.patch(model)
-    assert len(skipped) == 1 and "fla for 'delta_rule'" in str(skipped[0].message)
-    assert patch_state(model).backends == backends.Backends(attention="torch_varlen", delta_rule=backends.REFERENCE)
+    assert len(skipped) == 1 and f"fla for '{GDN}'" in str(skipped[0].message)
+    assert f"backend={{'{GDN}': 'reference'}}" in str(skipped[0].message)
+    assert patch_state(model).backends == backends.Backends({ATTENTION: "torch_varlen"})
     other = build_tiny(family_named("qwen3_5"))
     with pytest.raises(backends.KernelVersionError, match="fla #640"):
         compilepack.patch(other, backend={"delta_rule": "fla"})
@@ -449,3 +455,27 @@ def test_tilelang_without_nvcc_is_refused_on_the_lent_image(lent_image, monkeypa
     monkeypatch.setattr(backends.shutil, "which", lambda name: None)
     with pytest.raises(backends.KernelVersionError, match="no nvcc is found"):
         compilepack.patch(build_tiny(family_named("qwen3_5")), backend={"delta_rule": "fla"})
+
+
+def test_a_single_op_named_in_backend_wins_over_its_kind(lent_image):
+    """On the lent image fla is refused for the gated delta rule only (#640): asking for fla by kind is refused,
+    naming that op; naming the op's own choice beside the kind keeps fla for KDA."""
+    with pytest.raises(backends.KernelVersionError, match=f"fla for '{GDN}'") as refusal:
+        backends.resolve({"delta_rule": "fla"})
+    assert f"backend={{'{GDN}': 'reference'}}" in str(refusal.value)
+    chosen = backends.resolve({"delta_rule": "fla", GDN: backends.REFERENCE}, ops=(GDN, KDA))
+    assert (chosen[GDN], chosen[KDA]) == (backends.REFERENCE, "fla")
+
+
+def test_backends_are_checked_against_what_each_op_declares():
+    """Every op's candidates come from its define_op(kernels=...); a name no op declares is never silently the
+    reference."""
+    assert backends.candidates(ATTENTION) == ("flash_attn", "torch_varlen", backends.REFERENCE)
+    assert backends.candidates("selective_scan_varlen") == (backends.REFERENCE,)
+    assert backends.ops_of_kind("delta_rule") == (GDN, KDA)
+    with pytest.raises(ValueError, match="must be one of"):
+        backends.Backends({CONV: "fla"})
+    with pytest.raises(ValueError, match="unknown op 'attention'"):
+        backends.Backends()["attention"]
+    with pytest.raises(ValueError, match="unknown keys in backend=: \\['atention'\\]"):
+        backends.resolve({"atention": "torch_varlen"})

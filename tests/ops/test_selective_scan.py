@@ -20,6 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from transformers.models.mamba import modeling_mamba
 
+from compilepack.ops import backends
 from compilepack.ops import selective_scan as scan
 from compilepack.ops.selective_scan import selective_scan_naive, selective_scan_varlen
 from tests.ops import contract
@@ -272,20 +273,17 @@ def test_aot_eager_backward_matches_eager():
 # --------------------------------------------------------------------------------------------------------------
 
 
-def test_kernel_backend_runs_the_reference_and_loads_no_library(monkeypatch):
-    """backend="mamba_ssm" on a kernel tensor (made to look like one on CPU) runs the reference, bit for bit, and
-    loads no module: mamba-ssm 2.3.2.post1's selective_scan_cuda takes no seq_idx."""
-    lengths = [20, 1, 43]
-    inputs = make_inputs(sum(lengths))
-    seq_idx = seq_idx_of(lengths)
-    want, want_grads, _ = run_op(inputs, seq_idx)
+def test_no_kernel_backend_is_declared_and_mamba_ssm_is_refused_by_name(monkeypatch):
+    """The reference is the op's only backend (mamba-ssm 2.3.2.post1's selective_scan_cuda takes no seq_idx): patch()
+    never chooses a library for it, even where mamba-ssm serves the Mamba2 scan, and asking for one is refused
+    before any compute rather than silently running the reference."""
+    assert backends.candidates("selective_scan_varlen") == (backends.REFERENCE,)
+    assert backends.resolve({"ssd": backends.REFERENCE}, ops=("selective_scan_varlen",)) == backends.Backends()
     loaded = route_kernels(monkeypatch, "mamba_ssm", {})  # any load fails
-    assert scan.OP.path_of(*op_args(inputs, seq_idx, backend="mamba_ssm")) is scan.reference.PATH
-    got, got_grads, _ = run_op(inputs, seq_idx, backend="mamba_ssm")
+    inputs, seq_idx = make_inputs(12), seq_idx_of([5, 7])
+    with pytest.raises(ValueError, match=r"unknown backend 'mamba_ssm'; expected one of \['reference'\]"):
+        run_op(inputs, seq_idx, backend="mamba_ssm")
     assert loaded == []
-    assert torch.equal(got, want)
-    for got_grad, want_grad in zip(got_grads, want_grads):
-        assert torch.equal(got_grad, want_grad)
 
 
 def test_unknown_backend_is_refused():

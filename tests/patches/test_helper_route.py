@@ -22,7 +22,7 @@ STUBS = stubs.__name__
 SEQ_IDX = torch.tensor([[0, 0, 1, 1, 1]], dtype=torch.int32)
 
 
-def _packed_kernel(stock, backends):
+def _packed_kernel(stock, backends, cp):
     def scan_kernel(hidden_states, seq_idx=None, **kwargs):
         if seq_idx is None:
             return stock(hidden_states)

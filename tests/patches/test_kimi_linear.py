@@ -58,7 +58,7 @@ def test_kda_replacement_refuses_a_recurrent_state_with_boundaries():
     from transformers.models.kimi_linear import modeling_kimi_linear
 
     (kda,) = [r for r in FAMILY.layers["KimiLinearDeltaAttention"] if r.global_name == "chunk_kimi_delta_attention"]
-    replacement = kda.make(modeling_kimi_linear.chunk_kimi_delta_attention, Backends())
+    replacement = kda.make(modeling_kimi_linear.chunk_kimi_delta_attention, Backends(), None)
     q, k, v = (torch.randn(1, 10, 2, 8) for _ in range(3))
     g, beta = -torch.rand(1, 10, 2, 8), torch.rand(1, 10, 2)
     cu = torch.tensor([0, 4, 10], dtype=torch.int32)

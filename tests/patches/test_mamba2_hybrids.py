@@ -29,9 +29,9 @@ def test_packed_training_declines_the_fused_kernel_and_runs_compilepacks_scan(fa
     answers None, and the mixer's unfused path runs compilepack's boundary-aware scan, once per mixer."""
     _, patched = build_pair(family)
     modeling = __import__(family.modeling, fromlist=["_"])
-    installed = private_name(_key(patch_state(patched).backends), FUSED)
-    cuda_backends = MAMBA2_SPLIT_CONV1D_SCAN.make(modeling.__dict__[FUSED],
-                                                  Backends(conv="causal_conv1d", ssd="mamba_ssm"))
+    installed = private_name(_key(patch_state(patched).backends, None), FUSED)
+    on_cuda = Backends({"causal_conv1d_varlen": "causal_conv1d", "mamba2_chunk_scan_varlen": "mamba_ssm"})
+    cuda_backends = MAMBA2_SPLIT_CONV1D_SCAN.make(modeling.__dict__[FUSED], on_cuda, None)
     answers, scans = [], []
 
     def fused(*args, **kwargs):

@@ -96,12 +96,13 @@ def admitted_backends() -> tuple[dict[str, list[str]], dict[str, str]]:
     message. Asked through the public ``resolve`` one kind at a time (every other kind on the reference), so that a
     refusal of one kind never hides another's backends."""
     admitted, refused = {}, {}
-    for kind, candidates in backends.CANDIDATES.items():
+    for kind in backends.kinds():
         admitted[kind] = []
-        for name in candidates:
+        ops = backends.ops_of_kind(kind)
+        for name in backends.candidates(ops[0]):
             if name == backends.REFERENCE or not backends.is_installed(name):
                 continue
-            ask = {other: backends.REFERENCE for other in backends.CANDIDATES} | {kind: name}
+            ask = dict.fromkeys(backends.OPS, backends.REFERENCE) | dict.fromkeys(ops, name)
             try:
                 backends.resolve(ask)
             except (compilepack.KernelVersionError, ValueError) as refusal:

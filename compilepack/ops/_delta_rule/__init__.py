@@ -52,6 +52,7 @@ def define_delta_rule_op(name: str, reference: Path, fla: Path, fla_applies=None
     return define_op(
         name, signature=_signature, differentiable=("q", "k", "v", "g", "beta"), reference=reference,
         kernels={"fla": fla}, kernel_applies=fla_applies, boundaries=("cu_seqlens", "cu_seqlens_cpu"),
+        kind="delta_rule",
     )
 
 
@@ -72,6 +73,7 @@ def define_delta_rule_state_op(name: str, reference: Path, fla: Path, fla_applie
         name, signature=_state_signature, outputs=("out", "final_state"),
         differentiable=("q", "k", "v", "g", "beta", "initial_state"), reference=reference, kernels={"fla": fla},
         kernel_applies=fla_applies, boundaries=("cu_seqlens", "cu_seqlens_cpu"),
+        follows=name.removeprefix("compilepack::").removesuffix("_state"),  # the state pass: the op's own choice
     )
 
 

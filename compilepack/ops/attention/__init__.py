@@ -119,6 +119,7 @@ OP = define_op(
     kernels={"flash_attn": flash_attn.PATH, "torch_varlen": torch_varlen.PATH},
     saves_output=True,  # every backward (flash kernels, reference) reads the forward's output
     boundaries=("cu_seqlens", "cu_seqlens_cpu"),
+    kind="attention",
 )
 
 
@@ -167,4 +168,5 @@ OP_KV = define_op(
     kernels={"flash_attn": flash_attn.PATH_KV, "torch_varlen": torch_varlen.PATH_KV},
     saves_output=True,
     boundaries=("cu_seqlens_q", "cu_seqlens_q_cpu", "cu_seqlens_k", "cu_seqlens_k_cpu"),
+    follows="varlen_attention",  # the gathered keys of context parallelism: the attention's own choice
 )

@@ -92,4 +92,5 @@ OP = define_op(
     kernels={"causal_conv1d": causal_conv1d_kernel.PATH},
     kernel_applies=causal_conv1d_kernel.applies,
     boundaries=("seq_idx",),
+    kind="conv",
 )

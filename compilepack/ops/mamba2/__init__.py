@@ -111,6 +111,7 @@ OP = define_op(
     kernels={"mamba_ssm": mamba_ssm.PATH},
     saves_output=True,  # mamba-ssm's backward takes the forward's output
     boundaries=("seq_idx",),
+    kind="ssd",
 )
 
 
@@ -155,4 +156,5 @@ OP_STATE = define_op(
     reference=reference.PATH_STATE,
     kernels={"mamba_ssm": mamba_ssm.PATH_STATE},
     boundaries=("seq_idx",),
+    follows="mamba2_chunk_scan_varlen",  # the state pass: the scan's own choice
 )
