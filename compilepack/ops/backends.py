@@ -198,9 +198,6 @@ class Refusal:
     why: str  # what was found and what compilepack needs
     fix: str  # the install that fixes it
 
-    def describe(self) -> str:
-        return f"{self.backend} for {self.op!r}: {self.why}. Fix: {self.fix}"
-
 
 def refusal(backend: str, op: str) -> Refusal | None:
     """Why ``backend`` is refused for ``op`` here (below its floor, or wrong on this GPU and compiler); None when
