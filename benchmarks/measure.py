@@ -110,12 +110,6 @@ def doc_spans(batch: dict, docs: list[list[int]]) -> list[tuple[int, int]]:
     return [(where[tuple(doc)], where[tuple(doc)] + len(doc)) for doc in docs]
 
 
-def logits_alone(model: torch.nn.Module, docs: list[list[int]], device: torch.device) -> list[torch.Tensor]:
-    """Each document's logits when it is the whole batch: the ground truth a packed row must reproduce."""
-    with torch.no_grad():
-        return [model(input_ids=torch.tensor([doc], device=device), use_cache=False).logits[0].float() for doc in docs]
-
-
 # glibc mallopt parameters (malloc.h); a trim threshold of -1 turns trimming off (mallopt(3))
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 _NEVER_TRIM = -1

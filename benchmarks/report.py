@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import pathlib
 import statistics
 
@@ -58,10 +57,6 @@ def _speedup_cell(r: dict, base: str) -> str:
 
 def bar_value_cell(bar: dict) -> str:
     return range_cell(bar["value"], bar.get("min"), bar.get("max"), ".2f")
-
-
-def write_json(report: dict, path: pathlib.Path) -> None:
-    path.write_text(json.dumps(report, indent=1) + "\n")
 
 
 def markdown(report: dict) -> str:

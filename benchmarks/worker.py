@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import os
 import statistics
-import sys
 import time
 import traceback
 
 import torch
 
 from compilepack.patching import family_named
-from compilepack.patching.builder import function_behind
-from compilepack.testing.reference import max_error
+from compilepack.testing import stock_path
+from compilepack.testing.reference import logits_alone, max_error
 
 from . import measure
 from .flops import step_flops
@@ -119,7 +117,7 @@ class ModeSession:
         first = (warmup or self._rounds[0])[0]
         self._check_docs = first.docs[: spec.check_docs]
         self._phase("logits alone")
-        self._alone = measure.logits_alone(model, self._check_docs, self._device)
+        self._alone = logits_alone(model, self._check_docs, self._device)
         if self._mode.name == STOCK_PACKED:
             result["max_logit_diff_position_ids_only"] = _position_ids_only_diff(
                 model, first, self._check_docs, self._alone, self._device)
@@ -282,25 +280,6 @@ def build_model(family, config, seed: int) -> torch.nn.Module:
         if sub_config is not None:
             sub_config.use_cache = False  # what HF Trainer sets for training
     return model.train()
-
-
-def stock_path(model: torch.nn.Module, device) -> str:
-    """The code stock runs for this model's mixers, in words, e.g. "cpu; attention: sdpa; causal_conv1d_fn: torch
-    fallback": each kernel-backed global of its modeling module with the package its wrapper found at import."""
-    parts = [torch.device(device).type, f"attention: {model.config._attn_implementation}"]
-    module = sys.modules.get(type(model).__module__)
-    for name, function in sorted(vars(module).items() if module else ()):
-        cells = kernel_closure(function) or kernel_closure(getattr(function, "__wrapped__", None))
-        if "is_new_implementation" in cells:
-            found = cells["package"] if cells["is_new_implementation"] else "torch fallback"
-            parts.append(f"{name}: {found}")
-    return "; ".join(parts)
-
-
-def kernel_closure(function) -> dict:
-    """The closure cells of a transformers kernel function (``use_kernel_func_from_hub_with_fallback``'s wrapper)."""
-    function = function_behind(function) or function
-    return inspect.getclosurevars(function).nonlocals if inspect.isfunction(function) else {}
 
 
 def _compiled(model, mode, backend: str, specialize_float: bool = False):

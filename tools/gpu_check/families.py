@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import copy
 import random
-import sys
 import time
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 from transformers import AutoModelForCausalLM
 
 import compilepack
 from compilepack.ops import backends
 from compilepack.patching import family_named
-from compilepack.patching.builder import function_behind
-from compilepack.testing.batches import packed_batch, random_documents
+from compilepack.testing import packed_batch, padded_batch, stock_path
+from compilepack.testing.batches import random_documents
 
 from .common import Context, auto_outcome, describe, guarded, max_err, synchronize
 
@@ -34,21 +32,6 @@ def batch_of(docs, device, boundaries_on_device=False):
     if boundaries_on_device:
         batch.update({key: batch[key].to(device) for key in BOUNDARIES})
     return batch
-
-
-def stock_path(model, device) -> str:
-    """The code stock transformers runs for this model's mixers, in words: its attention implementation, then each
-    kernel global of its modeling module (``use_kernel_func_from_hub_with_fallback``) with the package it found at
-    import, or "torch fallback" (read from the wrapper's closure: what runs, not what is installed)."""
-    parts = [torch.device(device).type, f"attention: {model.config._attn_implementation}"]
-    module = sys.modules.get(type(model).__module__)
-    for name, function in sorted(vars(module).items() if module else ()):
-        function = function_behind(function) or function
-        code, closure = getattr(function, "__code__", None), getattr(function, "__closure__", None)
-        cells = dict(zip(code.co_freevars, (c.cell_contents for c in closure))) if code and closure else {}
-        if "is_new_implementation" in cells:
-            parts.append(f"{name}: {cells['package'] if cells['is_new_implementation'] else 'torch fallback'}")
-    return "; ".join(parts)
 
 
 def speed_batches(vocab, steps, tokens_per_step, device):
@@ -147,19 +130,13 @@ def stock_variants(name, stock, batches, device):
     """What stock can train on the same documents: the packed batch (dense mask) for attention-only models,
     right-padded rows otherwise; FA2 padding-free when flash-attn is installed."""
     if not family_named(name).stock_packs_positions:  # not attention-only
-        return {"stock_padded": [padded(docs, device) for docs, _ in batches]}
+        return {"stock_padded": [{**compilepack.to_device(padded_batch(docs), device), "use_cache": False}
+                                 for docs, _ in batches]}
     packed = [dict(batch_of(docs, device, True), use_cache=False) for docs, _ in batches]
     if backends.is_installed("flash_attn") and torch.device(device).type == "cuda":
         stock.set_attn_implementation("flash_attention_2")
         return {"stock_fa2_padding_free": packed}
     return {"stock_sdpa_packed": packed}
-
-
-def padded(docs, device):
-    ids = pad_sequence([torch.tensor(doc) for doc in docs], batch_first=True)
-    mask = pad_sequence([torch.ones(len(doc), dtype=torch.long) for doc in docs], batch_first=True)
-    return {"input_ids": ids.to(device), "attention_mask": mask.to(device),
-            "labels": ids.masked_fill(mask == 0, -100).to(device), "use_cache": False}
 
 
 def throughput(step, model, batches, device):
