@@ -1,12 +1,15 @@
-"""What a mode measures about itself: compile counters, CPU seconds, peak memory, logits of each document alone."""
+"""What a mode measures about itself: compile counters, CPU seconds, peak memory, where each document sits."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
+import os
 import threading
 
 import torch
+from torch._dynamo.utils import counters
 
 
 class PeakRss:
@@ -48,11 +51,6 @@ class PeakRss:
         return (self.peak - self.baseline) / 2**20
 
 
-def peak_memory_mb(device: torch.device, rss: PeakRss) -> float:
-    """Max allocated on CUDA, RSS above the mode's baseline elsewhere."""
-    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else rss.stop_mb()
-
-
 def synchronizer(device: torch.device):
     """A function that waits for queued device work (so a timer measures it), or does nothing on CPU."""
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -62,16 +60,13 @@ class CompileCounters:
     """dynamo's counters as deltas since construction: graphs compiled and graph breaks taken."""
 
     def __init__(self):
-        from torch._dynamo.utils import counters
-
-        self._counters = counters
         self._graphs0, self._breaks0 = self.graphs_total(), self.breaks_total()
 
     def graphs_total(self) -> int:
-        return int(self._counters["stats"]["unique_graphs"])
+        return int(counters["stats"]["unique_graphs"])
 
     def breaks_total(self) -> int:
-        return int(sum(self._counters["graph_break"].values()))
+        return int(sum(counters["graph_break"].values()))
 
     @property
     def graphs(self) -> int:
@@ -82,7 +77,7 @@ class CompileCounters:
         return self.breaks_total() - self._breaks0
 
     def break_reasons(self, limit: int = 3) -> list[str]:
-        return [reason.strip().splitlines()[0][:200] for reason in list(self._counters["graph_break"])[:limit]]
+        return [reason.strip().splitlines()[0][:200] for reason in list(counters["graph_break"])[:limit]]
 
 
 def process_tree_cpu_s() -> float:
@@ -120,8 +115,6 @@ def keep_freed_memory() -> bool:
     serves every block above its mmap threshold with a fresh ``mmap``, so each step page-faults every such tensor
     again (~40% of a 64k-token Qwen3.5 bench step's CPU time). mmap off and the heap never trimmed (a threshold
     caps at 2 GB, below a padded hybrid step's ~6 GB). Returns False where there is no glibc (nothing changed)."""
-    import ctypes
-
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
@@ -131,6 +124,4 @@ def keep_freed_memory() -> bool:
 
 def load_average() -> float | None:
     """The machine's 1-minute load average (None where the OS has none): other processes slow every figure."""
-    import os
-
     return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import pathlib
 import statistics
 import time
 
@@ -114,18 +115,15 @@ def dpo_step(policy, reference, batch: dict, beta: float = 0.1) -> torch.Tensor:
     return loss.detach()
 
 
-def calls(mode: str, policy, reference):
-    return (policy, reference) if mode == "padded" else (PackedModelCall(policy), PackedModelCall(reference))
-
-
 def run_step(step, mode, policy, reference, batch, device) -> float:
     """Seconds of one step; the policy's gradients cleared first."""
     sync = synchronizer(device)
+    calls = (policy, reference) if mode == "padded" else (PackedModelCall(policy), PackedModelCall(reference))
     policy.zero_grad(set_to_none=True)
     sync()
     start = time.perf_counter()
     with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-        step(*calls(mode, policy, reference), batch)
+        step(*calls, batch)
     sync()
     return time.perf_counter() - start
 
@@ -210,8 +208,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.max_completion} tokens\n")
     print(table(rows))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
 
 

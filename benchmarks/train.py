@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                         seed=args.seed)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{_device_label(args.device)}-{datetime.date.today().isoformat()}"
+    stem = f"{args.device.split(':')[0]}-{datetime.date.today().isoformat()}"
     print(f"compilepack bench: {', '.join(families)}; {mode_set} modes: {', '.join(modes)}; "
           f"{args.steps} timed rounds per mode", flush=True)
     if left_out:
@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     report = _report(args, results, workload, time.monotonic() - started, modes, mode_set, left_out)
     report["load_avg"] = {"start": load_start, "end": load_average()}
     _add_utilization(report, matmul)
-    _write(report, out, stem, can_plot)
+    history.write(report, out, stem, markdown, plot if can_plot else None, show=print_console,
+                  no_plot=" (no .png: matplotlib is not installed, or --no-plot)")
     return 0
 
 
@@ -237,7 +238,7 @@ def _report(args, results: list[dict], workload, wall_s: float, modes, mode_set,
         "isolation": "process", "allocator": ALLOCATOR, "specialize_float": SPECIALIZE_FLOAT,
         "compile_lanes": COMPILE_LANES,
     }
-    return {"device": _device_label(args.device), "device_name": _device_name(args.device),
+    return {"device": args.device.split(":")[0], "device_name": _device_name(args.device),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "compilepack": compilepack.__version__, "python": platform.python_version(),
             "date": datetime.datetime.now().isoformat(timespec="seconds"), "cores": os.cpu_count(),
@@ -257,15 +258,6 @@ def _workload_summary(workload) -> dict:
             "median_len": statistics.median(lengths), "mean_len": real / len(lengths), "max_len": max(lengths),
             "real_tokens_per_step": [sum(len(doc) for doc in step) for step in timed],
             "arrival_padding_frac": round(1 - real / padded, 4), "arrival_padded_over_real": round(padded / real, 2)}
-
-
-def _write(report: dict, out: pathlib.Path, stem: str, can_plot: bool = True) -> None:
-    history.write(report, out, stem, markdown, plot if can_plot else None, show=print_console,
-          no_plot=" (no .png: matplotlib is not installed, or --no-plot)")
-
-
-def _device_label(device: str) -> str:
-    return device.split(":")[0]
 
 
 def _device_name(device: str) -> str:

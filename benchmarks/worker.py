@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import os
 import statistics
 import time
 import traceback
 
 import torch
+from transformers import AutoModelForCausalLM
 
+import compilepack
 from compilepack.patching import family_named
-from compilepack.testing import stock_path
+from compilepack.testing import position_ids_only, stock_path
 from compilepack.testing.reference import logits_alone, max_error
+from compilepack.testing.results import describe_error
 
 from . import measure
 from .flops import step_flops
@@ -78,7 +82,9 @@ class ModeSession:
 
     def finish(self) -> dict:
         self._rss.resume()
-        self.result["peak_mem_mb"] = round(measure.peak_memory_mb(torch.device(self.spec.device), self._rss), 1)
+        device = torch.device(self.spec.device)  # max allocated on CUDA, RSS above the mode's baseline elsewhere
+        peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else self._rss.stop_mb()
+        self.result["peak_mem_mb"] = round(peak, 1)
         return self.result
 
     def _attempt(self, work) -> bool:
@@ -86,7 +92,7 @@ class ModeSession:
             work()
             return True
         except Exception as error:  # noqa: BLE001 (whatever the mode raised is its result)
-            self.result["error"] = _describe(error)
+            self.result["error"] = describe_error(error)
             print(traceback.format_exc(), flush=True)  # into the mode's log
             return False
 
@@ -94,8 +100,6 @@ class ModeSession:
         self._report(phase, self.result)
 
     def _prepare(self) -> None:
-        import compilepack
-
         spec, result = self.spec, self.result
         if spec.threads:
             torch.set_num_threads(spec.threads)
@@ -105,7 +109,8 @@ class ModeSession:
         _refuse_known_failure(spec)
         self._phase("batching")
         warmup, self._rounds = self._mode.batches(spec.workload)
-        _record_padding(result, [batch for batches in self._rounds for batch in batches])
+        timed = [batch for batches in self._rounds for batch in batches]
+        result["padding_frac"] = round(1 - sum(b.real_tokens for b in timed) / sum(b.shaped_tokens for b in timed), 4)
         result["round_steps"] = [len(batches) for batches in self._rounds]  # what the driver interleaves
         self._phase("building model")
         model = build_model(family, spec.config, spec.workload.seed).to(self._device)
@@ -263,8 +268,6 @@ def serve(spec: ModeSpec, connection) -> None:
 
 def _import_family(spec: ModeSpec) -> None:
     """Import what building the model imports lazily before the memory baseline (peak memory is the mode's)."""
-    import gc
-
     with contextlib.suppress(Exception):  # the session meets the same error and records it
         build_model(family_named(spec.family), spec.config, seed=0)
     gc.collect()
@@ -272,8 +275,6 @@ def _import_family(spec: ModeSpec) -> None:
 
 def build_model(family, config, seed: int) -> torch.nn.Module:
     """The family's bench model (or ``config``'s), random init from ``seed``, training mode, no cache."""
-    from transformers import AutoModelForCausalLM
-
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config if config is not None else family.bench_config())
     for sub_config in (model.config, getattr(model.config, "text_config", None)):
@@ -309,20 +310,10 @@ def _train_step(model, batch: Batch, optimizer, sync, device, keep_logits: bool)
 
 def _position_ids_only_diff(model, batch: Batch, check_docs, alone, device) -> float:
     """What stock does with a packed row when no boundary kwarg reaches it (the silent leak, if any)."""
-    from compilepack.testing import position_ids_only
-
     tensors = {k: v.to(device) for k, v in position_ids_only(batch.tensors).items()}
     with torch.no_grad():
         logits = model(**tensors).logits
     return max_error(logits, measure.doc_spans(batch.tensors, check_docs), alone)
-
-
-def _record_padding(result: dict, timed: list[Batch]) -> None:
-    result["padding_frac"] = round(1 - sum(b.real_tokens for b in timed) / sum(b.shaped_tokens for b in timed), 4)
-
-
-def _describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
 
 
 @contextlib.contextmanager

@@ -28,6 +28,7 @@ import transformers
 import compilepack
 from compilepack.testing.batches import packed_batch, position_ids_only, random_documents
 from compilepack.testing.reference import logits_alone, max_error
+from compilepack.testing.results import describe_error
 
 LENGTHS = [70, 1, 23, 5, 40]
 DOCS_PATH = Path(__file__).resolve().parents[1] / "docs" / "models.md"
@@ -44,20 +45,11 @@ column names the library each op calls on CUDA when it is installed (otherwise t
 COLUMNS = ("stock, boundary kwargs", "stock, position_ids only", "patched")
 
 
-def bench_model(family) -> torch.nn.Module:
-    """The family's benchmark model, random weights from seed 0."""
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(family.bench_config())
-
-
-def documents(model) -> list[list[int]]:
-    return random_documents(random.Random(0), model.config.get_text_config().vocab_size, LENGTHS)
-
-
 def measure(family) -> dict:
-    stock = bench_model(family).eval()
+    torch.manual_seed(0)  # the family's benchmark model, random weights from seed 0
+    stock = transformers.AutoModelForCausalLM.from_config(family.bench_config()).eval()
     patched = compilepack.patch(copy.deepcopy(stock))
-    packed = packed_batch(documents(stock))
+    packed = packed_batch(random_documents(random.Random(0), stock.config.get_text_config().vocab_size, LENGTHS))
     alone = logits_alone(stock, packed.documents)
     positions_only = {**position_ids_only(packed.batch), "use_cache": False}
     return {column: _error(model, batch, packed.spans, alone) for column, model, batch in zip(
@@ -69,7 +61,7 @@ def _error(model, batch, spans, alone) -> str:
         with torch.no_grad():
             logits = model(**batch).logits
     except Exception as error:  # stock refuses some packed batches: that is the finding
-        return f"{type(error).__name__}: {str(error).splitlines()[0][:90]}"
+        return describe_error(error, 90)
     return f"{max_error(logits, spans, alone):.1e}"
 
 
