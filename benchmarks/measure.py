@@ -22,10 +22,8 @@ class PeakRss:
 
         self._process = psutil.Process()
         self._interval_s = interval_s
-        self.baseline = self._process.memory_info().rss
-        self.peak = self.baseline
-        self._stop = threading.Event()
-        self._active = threading.Event()
+        self.baseline = self.peak = self._process.memory_info().rss
+        self._stop, self._active = threading.Event(), threading.Event()
         self._active.set()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()

@@ -87,7 +87,7 @@ def markdown(report: dict) -> str:
          "(CPU s) | graphs / breaks | compiles | peak MB | max logit diff | padding | error / note |"),
         "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|",
     ]
-    lines += [_markdown_row(r) for r in report["results"]]
+    lines += ["| " + " | ".join(_row_cells(r, _diff(r), _issue(r))) + " |" for r in report["results"]]
     lines += ["", "## Bars", "",
               STATUS_RULE, "", "| family | bar | median [min-max] | target | status | decided on | detail |",
               "|---|---|--:|--:|---|---|---|"]
@@ -161,10 +161,6 @@ def _row_cells(r: dict, diff: str, issue: str) -> list[str]:
     return [r["family"], r["mode"], tokens_cell(r), *(_speedup_cell(r, base) for base in RATIO_BASES),
             compile_cell(r), _graphs(r), cell(r.get("compiles"), "{}"), cell(r.get("peak_mem_mb"), "{:.0f}"), diff,
             cell(r.get("padding_frac"), "{:.0%}"), issue]
-
-
-def _markdown_row(r: dict) -> str:
-    return "| " + " | ".join(_row_cells(r, _diff(r), _issue(r))) + " |"
 
 
 def _bar_row(bar: dict) -> str:

@@ -17,6 +17,7 @@ import os
 import pathlib
 import platform
 import statistics
+import sys
 import tempfile
 import time
 
@@ -74,8 +75,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m benchmarks [train] [options]``."""
-    args = _parser().parse_args(argv)
+    """``python -m benchmarks [train] [options]``: ``train``, the one command, may be left out."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv[1:] if argv[:1] == ["train"] else argv)
     if args.steps < 1:
         raise SystemExit("--steps must be at least 1")
     can_plot = check_dependencies(plot=not args.no_plot)  # before any work: a missing package stops it here

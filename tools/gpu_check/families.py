@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import compilepack
+from compilepack.batch.keys import HOST_BOUNDARY_KEYS
 from compilepack.ops import backends
 from compilepack.patching import family_named
 from compilepack.testing import packed_batch, padded_batch, stock_path
@@ -18,19 +19,13 @@ from compilepack.testing.batches import random_documents
 
 from .common import Context, auto_outcome, describe, guarded, max_err, synchronize
 
-BOUNDARIES = ("cu_seq_lens_q", "cu_seq_lens_k")
-
-
-def documents_of(vocab, lengths, seed):
-    return random_documents(random.Random(seed), vocab, lengths)
-
 
 def batch_of(docs, device, boundaries_on_device=False):
     """The HF collator's packed batch on ``device``, its boundaries on the host (as ``compilepack.to_device`` leaves
     them: the patched model moves them itself and keeps the host copy) unless ``boundaries_on_device``."""
     batch = compilepack.to_device(packed_batch(docs).batch, device)
     if boundaries_on_device:
-        batch.update({key: batch[key].to(device) for key in BOUNDARIES})
+        batch.update({key: batch[key].to(device) for key in HOST_BOUNDARY_KEYS})
     return batch
 
 
@@ -42,7 +37,7 @@ def speed_batches(vocab, steps, tokens_per_step, device):
         lengths = []
         while sum(lengths) < tokens_per_step:
             lengths.append(min(2048, max(8, int(rng.lognormvariate(5.5, 1.0)))))
-        docs = documents_of(vocab, lengths, seed=100 + i)
+        docs = random_documents(random.Random(100 + i), vocab, lengths)
         batches.append((docs, batch_of(docs, device)))
     return batches
 
@@ -71,7 +66,7 @@ def check_family(name: str, ctx: Context) -> tuple[dict, dict]:
         speed[label] = guarded({}, lambda sb=stock_batches: {**throughput(stock, stock, sb, ctx.device),
                                                               "stock_path": stock_path(stock, ctx.device)})
     checks["stock_path"] = stock_path(stock, ctx.device)
-    docs = documents_of(vocab, [70, 1, 23, 5, 40] if ctx.simulate else [700, 1, 230, 64, 1500], seed=0)
+    docs = random_documents(random.Random(0), vocab, [70, 1, 23, 5, 40] if ctx.simulate else [700, 1, 230, 64, 1500])
     checks["max_logit_diff_packed_vs_alone"] = guarded({}, lambda: packed_vs_alone(patched, docs, ctx.device))
     checks["explain_forward"] = guarded({}, lambda: str(compilepack.explain(patched, batch_of(docs, ctx.device))))
     checks["wall_s"] = round(time.perf_counter() - start, 1)
