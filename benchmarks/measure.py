@@ -109,10 +109,9 @@ _NEVER_TRIM = -1
 
 
 def keep_freed_memory() -> bool:
-    """Make this process's allocator keep freed memory for reuse, as PyTorch's CUDA caching allocator does: glibc
-    serves every block above its mmap threshold with a fresh ``mmap``, so each step page-faults every such tensor
-    again (~40% of a 64k-token Qwen3.5 bench step's CPU time). mmap off and the heap never trimmed (a threshold
-    caps at 2 GB, below a padded hybrid step's ~6 GB). Returns False where there is no glibc (nothing changed)."""
+    """Keep freed memory for reuse, as a GPU's caching allocator does (why: docs/benchmarks.md, "The allocator"):
+    mmap off and the heap never trimmed (a trim threshold caps at 2 GB, below a padded hybrid step's ~6 GB).
+    Returns False where there is no glibc (nothing changed)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:

@@ -1,10 +1,8 @@
 """``python -m benchmarks``: training-step speed and correctness, stock vs patched, on the same documents.
 
-Every family runs the chosen modes (see ``modes.py``; the default leaves two out, ``--full`` runs all) on the
-same long-tailed document mix and the same real-token budget per step. Each mode of a family gets a warm worker
-(its own process, with time limits); the timed steps are taken round-robin across the family's workers (see
-``rounds.py``), so ratios between modes are paired per round. Writes ``<out>/<device>-<date>.json``, ``.md``
-and ``.png``; see docs/benchmarks.md.
+Every family runs the chosen modes (the default leaves two out, ``--full`` runs all) on the same documents, each
+mode in its own warm worker; the timed steps are taken round-robin across a family's workers, so ratios between
+modes are paired per round. Writes ``<out>/<device>-<date>.json``, ``.md`` and ``.png``; see docs/benchmarks.md.
 """
 
 from __future__ import annotations

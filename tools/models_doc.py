@@ -1,17 +1,11 @@
-"""Measure what stock transformers does with a packed batch, per family, and regenerate docs/models.md's tables.
+"""Measure what stock transformers does with a packed batch, per family, and regenerate docs/models.md's table.
 
-For every registered family (its bench model, fp32, CPU) the same packed documents are run
-- stock, HF collator batch (boundary kwargs), config defaults (use_cache=True),
-- stock, position_ids only, use_cache=False (what the HF Trainer does with a position-ids-only collator),
-- patched, HF collator batch,
-and each is compared with every document run alone (max |logit difference|), or the error it raises.
+Every registered family's bench model (fp32, CPU) runs the same packed documents stock with the HF collator's
+boundary kwargs (config defaults), stock with position_ids only and use_cache=False (as the HF Trainer runs a
+position-ids-only collator), and patched; each is compared with every document alone, or names the error it raised.
 
     python tools/models_doc.py            # print the table
-    python tools/models_doc.py --write    # regenerate the family table of docs/models.md
-
-``--write`` rewrites only what lies between docs/models.md's ``<!-- models_doc.py: families -->`` and ``<!--
-/models_doc.py -->`` markers; the rest of the page (measured once, each section says how and when) is edited by
-hand.
+    python tools/models_doc.py --write    # rewrite docs/models.md between its models_doc.py markers (only there)
 """
 
 from __future__ import annotations
