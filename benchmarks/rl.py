@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import compilepack
 from compilepack.integrations.rl_trainers import PackedModelCall
 from compilepack.patching import family_named
+from compilepack.testing import build_model
 
 from .measure import synchronizer
 from .rounds import round_order
@@ -31,15 +32,13 @@ PAD = 0
 def build_models(family_name: str, widths: str, device: torch.device):
     """(policy, reference): two initialisations of the family's benchmark model (or its release's widths), patched,
     with TRL's fused head."""
-    from transformers import AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
     family = family_named(family_name)
     config = family.bench_config() if widths == "bench" else family.fixtures.checkpoint.config()
-    torch.manual_seed(0)
-    policy = AutoModelForCausalLM.from_config(config).to(device).train()
-    torch.manual_seed(1)  # another initialisation, so that the losses depend on both models' log-probs
-    reference = AutoModelForCausalLM.from_config(config).to(device).eval().requires_grad_(False)
+    policy = build_model(config, layers=None, seed=0, patch=False).to(device).train()
+    # another initialisation, so that the losses depend on both models' log-probs
+    reference = build_model(config, layers=None, seed=1, patch=False).to(device).requires_grad_(False)
     for model in (policy, reference):
         add_fused_lm_head(model, outputs=("log_probs", "entropy"))
         compilepack.patch(model)

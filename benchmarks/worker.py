@@ -13,9 +13,9 @@ import time
 import traceback
 
 import torch
-from transformers import AutoModelForCausalLM
 
 import compilepack
+from compilepack import testing
 from compilepack.patching import family_named
 from compilepack.testing import position_ids_only, stock_path
 from compilepack.testing.reference import logits_alone, max_error
@@ -275,8 +275,8 @@ def _import_family(spec: ModeSpec) -> None:
 
 def build_model(family, config, seed: int) -> torch.nn.Module:
     """The family's bench model (or ``config``'s), random init from ``seed``, training mode, no cache."""
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config if config is not None else family.bench_config())
+    config = family.bench_config() if config is None else config
+    model = testing.build_model(config, layers=None, seed=seed, patch=False)
     for sub_config in (model.config, getattr(model.config, "text_config", None)):
         if sub_config is not None:
             sub_config.use_cache = False  # what HF Trainer sets for training

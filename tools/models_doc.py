@@ -20,6 +20,7 @@ import torch
 import transformers
 
 import compilepack
+from compilepack.testing import build_model
 from compilepack.testing.batches import packed_batch, position_ids_only, random_documents
 from compilepack.testing.reference import logits_alone, max_error
 from compilepack.testing.results import describe_error
@@ -40,8 +41,7 @@ COLUMNS = ("stock, boundary kwargs", "stock, position_ids only", "patched")
 
 
 def measure(family) -> dict:
-    torch.manual_seed(0)  # the family's benchmark model, random weights from seed 0
-    stock = transformers.AutoModelForCausalLM.from_config(family.bench_config()).eval()
+    stock = build_model(family.bench_config(), layers=None, patch=False)  # random weights from seed 0, eval mode
     patched = compilepack.patch(copy.deepcopy(stock))
     packed = packed_batch(random_documents(random.Random(0), stock.config.get_text_config().vocab_size, LENGTHS))
     alone = logits_alone(stock, packed.documents)

@@ -8,13 +8,12 @@ import random
 import time
 
 import torch
-from transformers import AutoModelForCausalLM
 
 import compilepack
 from compilepack.batch.keys import HOST_BOUNDARY_KEYS
 from compilepack.ops import backends
 from compilepack.patching import family_named
-from compilepack.testing import packed_batch, padded_batch, stock_path
+from compilepack.testing import build_model, packed_batch, padded_batch, stock_path
 from compilepack.testing.batches import random_documents
 
 from .common import Context, auto_outcome, describe, guarded, max_err, synchronize
@@ -45,8 +44,7 @@ def speed_batches(vocab, steps, tokens_per_step, device):
 def check_family(name: str, ctx: Context) -> tuple[dict, dict]:
     """(the family's speed row, its checks)."""
     start = time.perf_counter()
-    torch.manual_seed(0)
-    stock = AutoModelForCausalLM.from_config(family_named(name).bench_config()).to(ctx.device, ctx.dtype)
+    stock = build_model(family_named(name).bench_config(), layers=None, patch=False).to(ctx.device, ctx.dtype)
     auto = auto_outcome(copy.deepcopy(stock))
     patched = compilepack.patch(copy.deepcopy(stock), backend=ctx.chosen())
     vocab = stock.config.get_text_config().vocab_size
