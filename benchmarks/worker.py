@@ -17,7 +17,6 @@ import torch
 import compilepack
 from compilepack import testing
 from compilepack.patching import family_named
-from compilepack.testing import position_ids_only, stock_path
 from compilepack.testing.reference import logits_alone, max_error
 from compilepack.testing.results import describe_error
 
@@ -118,7 +117,7 @@ class ModeSession:
         result["trained_params_m"] = round(sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6, 2)
         self._model, result["attn_implementation"] = model, model.config._attn_implementation
         if not self._mode.patched:
-            result["stock_path"] = stock_path(model, self._device)
+            result["stock_path"] = testing.stock_path(model, self._device)
         first = (warmup or self._rounds[0])[0]
         self._check_docs = first.docs[: spec.check_docs]
         self._phase("logits alone")
@@ -310,7 +309,7 @@ def _train_step(model, batch: Batch, optimizer, sync, device, keep_logits: bool)
 
 def _position_ids_only_diff(model, batch: Batch, check_docs, alone, device) -> float:
     """What stock does with a packed row when no boundary kwarg reaches it (the silent leak, if any)."""
-    tensors = {k: v.to(device) for k, v in position_ids_only(batch.tensors).items()}
+    tensors = {k: v.to(device) for k, v in testing.position_ids_only(batch.tensors).items()}
     with torch.no_grad():
         logits = model(**tensors).logits
     return max_error(logits, measure.doc_spans(batch.tensors, check_docs), alone)

@@ -82,9 +82,8 @@ def packed_vs_alone(model, docs, device):
 
 def sync_free_steps(step, model, batches, ctx: Context):
     """The compiled step again on two of its batches (simulated: one) under CUDA's sync debug mode set to error,
-    boundaries on the host (the recipe). Beside it the boundaries on the device, as HF Trainer moves them (a sync
-    where a kernel needs host sizes), compiled with dynamo alone (backend "eager"): the syncs are the ops', and a
-    second inductor compile per family would not fit the lease."""
+    boundaries on the host (the recipe); beside it on the device, as HF Trainer moves them, compiled with dynamo
+    alone ("eager": the syncs are the ops', and a second inductor compile per family would not fit the lease)."""
     result = {}
     for label, on_device in (("host_boundaries", False), ("device_boundaries", True)):
         runs = [batch_of(docs, ctx.device, on_device) for docs, _ in batches[: 1 if ctx.simulate else 2]]
