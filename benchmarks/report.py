@@ -159,7 +159,8 @@ def _workload_line(workload: dict) -> str:
 def _row_cells(r: dict, diff: str, issue: str) -> list[str]:
     """A mode's cells, in the markdown table's and the console table's column order."""
     return [r["family"], r["mode"], tokens_cell(r), *(_speedup_cell(r, base) for base in RATIO_BASES),
-            compile_cell(r), _graphs(r), cell(r.get("compiles"), "{}"), cell(r.get("peak_mem_mb"), "{:.0f}"), diff,
+            compile_cell(r), "-" if r.get("graphs") is None else f"{r['graphs']} / {r['graph_breaks']}",
+            cell(r.get("compiles"), "{}"), cell(r.get("peak_mem_mb"), "{:.0f}"), diff,
             cell(r.get("padding_frac"), "{:.0%}"), issue]
 
 
@@ -167,10 +168,6 @@ def _bar_row(bar: dict) -> str:
     state = "**missed**" if bar["status"] == "missed" else bar["status"]
     return (f"| {bar['family']} | {bar['bar']} | {bar_value_cell(bar)} | {bar['target']} | {state} "
             f"| {bar['rule']} | {text_cell(bar['detail'], 300)} |")
-
-
-def _graphs(r: dict) -> str:
-    return "-" if r.get("graphs") is None else f"{r['graphs']} / {r['graph_breaks']}"
 
 
 def _diff(r: dict) -> str:

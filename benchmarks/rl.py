@@ -173,12 +173,10 @@ def measure(name: str, step, policy, reference, batch: dict, rounds: int, device
 def table(rows: list[dict]) -> str:
     header = ("| family | step | rows | tokens (padded) | padded s | packed s | padded / packed | peak MiB padded "
               "| peak MiB packed | max logp diff |")
-    lines = [header, "|" + " --- |" * 10]
-    for r in rows:
-        lines.append(f"| {r['family']} | {r['step']} | {r['rows']} | {r['tokens']} ({r['padded_tokens']}) | "
-                     f"{r['padded_s']:.3f} | {r['packed_s']:.3f} | {r['speedup']:.2f}x | {r['padded_peak_mib']:.0f} | "
-                     f"{r['packed_peak_mib']:.0f} | {r['logp_difference']:.1e} |")
-    return "\n".join(lines)
+    lines = [f"| {r['family']} | {r['step']} | {r['rows']} | {r['tokens']} ({r['padded_tokens']}) | "
+             f"{r['padded_s']:.3f} | {r['packed_s']:.3f} | {r['speedup']:.2f}x | {r['padded_peak_mib']:.0f} | "
+             f"{r['packed_peak_mib']:.0f} | {r['logp_difference']:.1e} |" for r in rows]
+    return "\n".join([header, "|" + " --- |" * 10, *lines])
 
 
 def main(argv: list[str] | None = None) -> int:
