@@ -2,6 +2,5 @@
 
 ``data`` makes the documents, ``modes`` says how each mode batches, patches and compiles, ``worker`` measures one
 mode in its own process (``isolation``), ``rounds`` drives the paired rounds, ``bars`` holds the targets and checks
-them, ``report`` writes the JSON, markdown and plot, ``history`` the results folder and ``history.csv``. The guide:
-docs/benchmarks.md. This package imports compilepack; compilepack never imports it (it is not in the wheel).
+them, ``report`` writes the JSON, markdown and plot, ``history`` the results folder. The guide: docs/benchmarks.md.
 """

@@ -7,6 +7,8 @@ from __future__ import annotations
 import statistics
 from typing import NamedTuple
 
+from compilepack.patching import family_named
+
 from .modes import (PATCHED_PACKED_COMPILED, PATCHED_PACKED_EAGER, STOCK_GROUPED_COMPILED, STOCK_GROUPED_EAGER,
                     STOCK_PACKED, STOCK_PADDED_COMPILED, STOCK_PADDED_EAGER)
 
@@ -92,8 +94,6 @@ def best_of(by_mode: dict, modes) -> str | None:
 def attention_only(family: str) -> bool:
     """Whether every layer of the family's model is attention alone (``Family.stock_packs_positions``): its grouped
     bar is "no slower" on the median, not a speedup in every round."""
-    from compilepack.patching import family_named
-
     return family_named(family).stock_packs_positions
 
 

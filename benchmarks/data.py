@@ -1,20 +1,14 @@
 """The benchmark's documents, the installed stdlib's ``.py`` sources as bytes (ids fit the bench vocabulary of
-256; no downloads) at lognormal lengths (an SFT-like mix), and the batches every mode builds from them.
+256; no downloads) at lognormal lengths (an SFT-like mix), cut into steps (``modes`` makes their batches).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import pathlib
 import random
 import sysconfig
-
-import torch
-
-from compilepack.batch import IGNORE_INDEX, PackedCollator
-from compilepack.testing import packed_batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,29 +70,3 @@ def evenly_spaced(items: list, count: int) -> list:
     count = min(count, len(items))
     return [items[int((i + 0.5) * len(items) / count)] for i in range(count)]
 
-
-def padded_batch(step: list[list[int]], multiple_of: int = 1, pad_token_id: int = 0) -> dict:
-    """Right-padded ``[B, L]`` batch as ``DataCollatorForLanguageModeling`` makes it: attention_mask 0 and
-    labels -100 on pads; ``L`` is the longest document, rounded up to ``multiple_of``."""
-    length = math.ceil(max(len(doc) for doc in step) / multiple_of) * multiple_of
-    input_ids = torch.full((len(step), length), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(step), length), dtype=torch.long)
-    for row, doc in enumerate(step):
-        input_ids[row, : len(doc)] = torch.tensor(doc)
-        attention_mask[row, : len(doc)] = 1
-    labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
-
-
-def hf_packed_batch(step: list[list[int]]) -> dict:
-    """The HF flattening collator's packed batch (one ``[1, T]`` row with every boundary kwarg), as
-    ``compilepack.testing.packed_batch`` builds it."""
-    return packed_batch(step).batch
-
-
-def fixed_shape_collator(steps: list[list[list[int]]], tokens_per_step: int) -> PackedCollator:
-    """A PackedCollator whose shape fits every step: one row of ``tokens_per_step`` tokens (or of the longest
-    step, for small test budgets), room for the most documents any step has (rounded up to 64, plus padding's)."""
-    most_docs = max(len(step) for step in steps) + 1
-    row = max(tokens_per_step, *(sum(len(doc) for doc in step) for step in steps))
-    return PackedCollator(row, fixed_shape=True, rows=1, max_docs=math.ceil(most_docs / 64) * 64)

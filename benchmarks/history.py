@@ -1,6 +1,5 @@
 """The results folder: ``history.csv``, one row per family and mode of every run (its older rows also hold the
 long-row sweeps and op benchmarks of earlier commits), and the latest run of each kind (git keeps the older).
-Standard library only at import: the benchmark's entry point imports it before any extra is checked.
 """
 
 from __future__ import annotations
@@ -10,6 +9,8 @@ import json
 import pathlib
 import re
 import subprocess
+
+from .modes import STOCK_GROUPED_EAGER
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 HISTORY = "history.csv"
@@ -29,8 +30,6 @@ def kind_of(stem: str) -> str | None:
 def rows(report: dict, file: str = "", commit: str | None = None) -> list[dict]:
     """The history rows of one training run: one per family and mode; the bars a mode's row decides are those it
     is the numerator of."""
-    from .modes import STOCK_GROUPED_EAGER
-
     common = {
         "date": report.get("date", ""), "commit": commit if commit is not None else _commit(),
         "kind": (kind_of(pathlib.Path(file).stem) if file else None) or report["settings"].get("widths", ""),

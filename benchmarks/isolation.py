@@ -36,10 +36,8 @@ class ProcessWorker:
         self.phase = "not started"
         self._context = context
         self._on_phase = on_phase
-        self._process = None
-        self._receiver = None
-        self._ended = False
-        self._sent_result = False
+        self._process = self._receiver = None
+        self._ended = self._sent_result = False
 
     def start(self) -> None:
         self._receiver, sender = self._context.Pipe(duplex=True)

@@ -1,12 +1,15 @@
-"""What a mode measures about itself: compile counters, CPU seconds, peak memory, logits of each document alone."""
+"""What a mode measures about itself: compile counters, CPU seconds, peak memory, where each document sits."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
+import os
 import threading
 
 import torch
+from torch._dynamo.utils import counters
 
 
 class PeakRss:
@@ -19,10 +22,8 @@ class PeakRss:
 
         self._process = psutil.Process()
         self._interval_s = interval_s
-        self.baseline = self._process.memory_info().rss
-        self.peak = self.baseline
-        self._stop = threading.Event()
-        self._active = threading.Event()
+        self.baseline = self.peak = self._process.memory_info().rss
+        self._stop, self._active = threading.Event(), threading.Event()
         self._active.set()
         self._thread = threading.Thread(target=self._sample, daemon=True)
         self._thread.start()
@@ -48,11 +49,6 @@ class PeakRss:
         return (self.peak - self.baseline) / 2**20
 
 
-def peak_memory_mb(device: torch.device, rss: PeakRss) -> float:
-    """Max allocated on CUDA, RSS above the mode's baseline elsewhere."""
-    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else rss.stop_mb()
-
-
 def synchronizer(device: torch.device):
     """A function that waits for queued device work (so a timer measures it), or does nothing on CPU."""
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -62,16 +58,13 @@ class CompileCounters:
     """dynamo's counters as deltas since construction: graphs compiled and graph breaks taken."""
 
     def __init__(self):
-        from torch._dynamo.utils import counters
-
-        self._counters = counters
         self._graphs0, self._breaks0 = self.graphs_total(), self.breaks_total()
 
     def graphs_total(self) -> int:
-        return int(self._counters["stats"]["unique_graphs"])
+        return int(counters["stats"]["unique_graphs"])
 
     def breaks_total(self) -> int:
-        return int(sum(self._counters["graph_break"].values()))
+        return int(sum(counters["graph_break"].values()))
 
     @property
     def graphs(self) -> int:
@@ -82,7 +75,7 @@ class CompileCounters:
         return self.breaks_total() - self._breaks0
 
     def break_reasons(self, limit: int = 3) -> list[str]:
-        return [reason.strip().splitlines()[0][:200] for reason in list(self._counters["graph_break"])[:limit]]
+        return [reason.strip().splitlines()[0][:200] for reason in list(counters["graph_break"])[:limit]]
 
 
 def process_tree_cpu_s() -> float:
@@ -110,24 +103,15 @@ def doc_spans(batch: dict, docs: list[list[int]]) -> list[tuple[int, int]]:
     return [(where[tuple(doc)], where[tuple(doc)] + len(doc)) for doc in docs]
 
 
-def logits_alone(model: torch.nn.Module, docs: list[list[int]], device: torch.device) -> list[torch.Tensor]:
-    """Each document's logits when it is the whole batch: the ground truth a packed row must reproduce."""
-    with torch.no_grad():
-        return [model(input_ids=torch.tensor([doc], device=device), use_cache=False).logits[0].float() for doc in docs]
-
-
 # glibc mallopt parameters (malloc.h); a trim threshold of -1 turns trimming off (mallopt(3))
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
 _NEVER_TRIM = -1
 
 
 def keep_freed_memory() -> bool:
-    """Make this process's allocator keep freed memory for reuse, as PyTorch's CUDA caching allocator does: glibc
-    serves every block above its mmap threshold with a fresh ``mmap``, so each step page-faults every such tensor
-    again (~40% of a 64k-token Qwen3.5 bench step's CPU time). mmap off and the heap never trimmed (a threshold
-    caps at 2 GB, below a padded hybrid step's ~6 GB). Returns False where there is no glibc (nothing changed)."""
-    import ctypes
-
+    """Keep freed memory for reuse, as a GPU's caching allocator does (why: docs/benchmarks.md, "The allocator"):
+    mmap off and the heap never trimmed (a trim threshold caps at 2 GB, below a padded hybrid step's ~6 GB).
+    Returns False where there is no glibc (nothing changed)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
@@ -137,6 +121,4 @@ def keep_freed_memory() -> bool:
 
 def load_average() -> float | None:
     """The machine's 1-minute load average (None where the OS has none): other processes slow every figure."""
-    import os
-
     return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None

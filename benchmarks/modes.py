@@ -6,7 +6,11 @@ the HF flattening collator's batch or compilepack's fixed-shape ``PackedCollator
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
+
+from compilepack.batch import PackedCollator
+from compilepack.testing import packed_batch, padded_batch
 
 from . import data
 
@@ -50,13 +54,6 @@ class Workload:
     grouped_per_round: int = 3  # grouped steps per round: long, middle and short documents all represented
     seed: int = 0
     mix: data.LengthMix = dataclasses.field(default_factory=data.LengthMix)
-
-    @property
-    def patched_steps_per_round(self) -> int:
-        """A patched mode trains on its round's arrival step as many times as the grouped mode has steps in a
-        round, so the driver interleaves the two step by step (one patched step against three grouped ones spreads
-        the paired ratios about twice as much)."""
-        return self.grouped_per_round
 
     def arrival_steps(self) -> tuple[list, list]:
         """(warm-up steps, timed steps), each a list of documents in arrival order; timed step ``r`` is round r."""
@@ -112,8 +109,9 @@ class Mode:
         warmup, timed = workload.arrival_steps()
         if self.layout in GROUPED_LAYOUTS:
             warmup, rounds = workload.grouped_warmup(), workload.grouped_rounds()
-        else:  # the patched modes repeat their step (Workload.patched_steps_per_round), the costlier stock ones not
-            rounds = [[step] * (workload.patched_steps_per_round if self.patched else 1) for step in timed]
+        else:  # a patched mode trains on its round's step as often as the grouped mode has steps in a round, so the
+            # driver interleaves them step by step (one step against three spreads the paired ratios twice as much)
+            rounds = [[step] * (workload.grouped_per_round if self.patched else 1) for step in timed]
         if self.layout == "padded" and self.compile is EAGER:
             warmup = [data.steps_by_token_budget(step, PADDED_EAGER_WARMUP_TOKENS)[0] for step in warmup]
         collate = self._collate(workload)
@@ -123,13 +121,17 @@ class Mode:
     def _collate(self, workload: Workload):
         """How a step's documents become this mode's batch (see ``_LAYOUT_TEXTS``)."""
         if self.layout in ("padded", "grouped"):
-            return data.padded_batch
+            return padded_batch
         if self.layout in ("padded64", "grouped64"):
-            return lambda step: data.padded_batch(step, multiple_of=64)
-        if self.layout == "hf_packed":
-            return data.hf_packed_batch
-        warmup, timed = workload.arrival_steps()  # "fixed": one shape that fits every step
-        collate = data.fixed_shape_collator(warmup + timed, workload.tokens_per_step)
+            return lambda step: padded_batch(step, multiple_of=64)
+        if self.layout == "hf_packed":  # the HF flattening collator's one row with every boundary kwarg
+            return lambda step: packed_batch(step).batch
+        # "fixed": one row that fits every step (the budget, or the longest step for small test budgets), room for
+        # the most documents any step has plus padding's, rounded up to 64
+        steps = [step for part in workload.arrival_steps() for step in part]
+        row = max(workload.tokens_per_step, *(sum(len(doc) for doc in step) for step in steps))
+        most_docs = math.ceil((max(len(step) for step in steps) + 1) / 64) * 64
+        collate = PackedCollator(row, fixed_shape=True, rows=1, max_docs=most_docs)
         return lambda step: collate([{"input_ids": doc} for doc in step])
 
 
@@ -181,7 +183,6 @@ DEFAULT_MODES = tuple(name for name in MODE_NAMES if name not in LEFT_OUT_BY_DEF
 
 
 def mode_named(name: str) -> Mode:
-    for mode in MODES:
-        if mode.name == name:
-            return mode
-    raise ValueError(f"no benchmark mode {name!r}; modes: {', '.join(MODE_NAMES)}.")
+    if name not in MODE_NAMES:
+        raise ValueError(f"no benchmark mode {name!r}; modes: {', '.join(MODE_NAMES)}.")
+    return MODES[MODE_NAMES.index(name)]

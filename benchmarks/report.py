@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import pathlib
 import statistics
 
@@ -60,10 +59,6 @@ def bar_value_cell(bar: dict) -> str:
     return range_cell(bar["value"], bar.get("min"), bar.get("max"), ".2f")
 
 
-def write_json(report: dict, path: pathlib.Path) -> None:
-    path.write_text(json.dumps(report, indent=1) + "\n")
-
-
 def markdown(report: dict) -> str:
     settings = report["settings"]
     lines = [
@@ -92,7 +87,7 @@ def markdown(report: dict) -> str:
          "(CPU s) | graphs / breaks | compiles | peak MB | max logit diff | padding | error / note |"),
         "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|",
     ]
-    lines += [_markdown_row(r) for r in report["results"]]
+    lines += ["| " + " | ".join(_row_cells(r, _diff(r), _issue(r))) + " |" for r in report["results"]]
     lines += ["", "## Bars", "",
               STATUS_RULE, "", "| family | bar | median [min-max] | target | status | decided on | detail |",
               "|---|---|--:|--:|---|---|---|"]
@@ -164,22 +159,15 @@ def _workload_line(workload: dict) -> str:
 def _row_cells(r: dict, diff: str, issue: str) -> list[str]:
     """A mode's cells, in the markdown table's and the console table's column order."""
     return [r["family"], r["mode"], tokens_cell(r), *(_speedup_cell(r, base) for base in RATIO_BASES),
-            compile_cell(r), _graphs(r), cell(r.get("compiles"), "{}"), cell(r.get("peak_mem_mb"), "{:.0f}"), diff,
+            compile_cell(r), "-" if r.get("graphs") is None else f"{r['graphs']} / {r['graph_breaks']}",
+            cell(r.get("compiles"), "{}"), cell(r.get("peak_mem_mb"), "{:.0f}"), diff,
             cell(r.get("padding_frac"), "{:.0%}"), issue]
-
-
-def _markdown_row(r: dict) -> str:
-    return "| " + " | ".join(_row_cells(r, _diff(r), _issue(r))) + " |"
 
 
 def _bar_row(bar: dict) -> str:
     state = "**missed**" if bar["status"] == "missed" else bar["status"]
     return (f"| {bar['family']} | {bar['bar']} | {bar_value_cell(bar)} | {bar['target']} | {state} "
             f"| {bar['rule']} | {text_cell(bar['detail'], 300)} |")
-
-
-def _graphs(r: dict) -> str:
-    return "-" if r.get("graphs") is None else f"{r['graphs']} / {r['graph_breaks']}"
 
 
 def _diff(r: dict) -> str:

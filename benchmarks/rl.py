@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import pathlib
 import statistics
 import time
 
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 import compilepack
 from compilepack.integrations.rl_trainers import PackedModelCall
 from compilepack.patching import family_named
+from compilepack.testing import build_model
 
 from .measure import synchronizer
 from .rounds import round_order
@@ -30,15 +32,13 @@ PAD = 0
 def build_models(family_name: str, widths: str, device: torch.device):
     """(policy, reference): two initialisations of the family's benchmark model (or its release's widths), patched,
     with TRL's fused head."""
-    from transformers import AutoModelForCausalLM
     from trl.trainer.utils import add_fused_lm_head
 
     family = family_named(family_name)
     config = family.bench_config() if widths == "bench" else family.fixtures.checkpoint.config()
-    torch.manual_seed(0)
-    policy = AutoModelForCausalLM.from_config(config).to(device).train()
-    torch.manual_seed(1)  # another initialisation, so that the losses depend on both models' log-probs
-    reference = AutoModelForCausalLM.from_config(config).to(device).eval().requires_grad_(False)
+    policy = build_model(config, layers=None, seed=0, patch=False).to(device).train()
+    # another initialisation, so that the losses depend on both models' log-probs
+    reference = build_model(config, layers=None, seed=1, patch=False).to(device).requires_grad_(False)
     for model in (policy, reference):
         add_fused_lm_head(model, outputs=("log_probs", "entropy"))
         compilepack.patch(model)
@@ -114,18 +114,15 @@ def dpo_step(policy, reference, batch: dict, beta: float = 0.1) -> torch.Tensor:
     return loss.detach()
 
 
-def calls(mode: str, policy, reference):
-    return (policy, reference) if mode == "padded" else (PackedModelCall(policy), PackedModelCall(reference))
-
-
 def run_step(step, mode, policy, reference, batch, device) -> float:
     """Seconds of one step; the policy's gradients cleared first."""
     sync = synchronizer(device)
+    calls = (policy, reference) if mode == "padded" else (PackedModelCall(policy), PackedModelCall(reference))
     policy.zero_grad(set_to_none=True)
     sync()
     start = time.perf_counter()
     with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
-        step(*calls(mode, policy, reference), batch)
+        step(*calls, batch)
     sync()
     return time.perf_counter() - start
 
@@ -176,12 +173,10 @@ def measure(name: str, step, policy, reference, batch: dict, rounds: int, device
 def table(rows: list[dict]) -> str:
     header = ("| family | step | rows | tokens (padded) | padded s | packed s | padded / packed | peak MiB padded "
               "| peak MiB packed | max logp diff |")
-    lines = [header, "|" + " --- |" * 10]
-    for r in rows:
-        lines.append(f"| {r['family']} | {r['step']} | {r['rows']} | {r['tokens']} ({r['padded_tokens']}) | "
-                     f"{r['padded_s']:.3f} | {r['packed_s']:.3f} | {r['speedup']:.2f}x | {r['padded_peak_mib']:.0f} | "
-                     f"{r['packed_peak_mib']:.0f} | {r['logp_difference']:.1e} |")
-    return "\n".join(lines)
+    lines = [f"| {r['family']} | {r['step']} | {r['rows']} | {r['tokens']} ({r['padded_tokens']}) | "
+             f"{r['padded_s']:.3f} | {r['packed_s']:.3f} | {r['speedup']:.2f}x | {r['padded_peak_mib']:.0f} | "
+             f"{r['packed_peak_mib']:.0f} | {r['logp_difference']:.1e} |" for r in rows]
+    return "\n".join([header, "|" + " --- |" * 10, *lines])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,8 +205,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.max_completion} tokens\n")
     print(table(rows))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0
 
 

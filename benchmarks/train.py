@@ -1,26 +1,40 @@
 """``python -m benchmarks``: training-step speed and correctness, stock vs patched, on the same documents.
 
-Every family runs the chosen modes (see ``modes.py``; the default leaves two out, ``--full`` runs all) on the
-same long-tailed document mix and the same real-token budget per step. Each mode of a family gets a warm worker
-(its own process, with time limits); the timed steps are taken round-robin across the family's workers (see
-``rounds.py``), so ratios between modes are paired per round. Writes ``<out>/<device>-<date>.json``, ``.md``
-and ``.png``; see docs/benchmarks.md.
+Every family runs the chosen modes (the default leaves two out, ``--full`` runs all) on the same documents, each
+mode in its own warm worker; the timed steps are taken round-robin across a family's workers, so ratios between
+modes are paired per round. Writes ``<out>/<device>-<date>.json``, ``.md`` and ``.png``; see docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
+import importlib.util
+import json
 import os
 import pathlib
 import platform
 import statistics
+import sys
 import tempfile
 import time
 
-from .history import RESULTS
+import torch
+import transformers
+
+import compilepack
+from compilepack.patching import family_named
+from compilepack.testing import padded_batch
+
+from . import history
+from .bars import evaluate
+from .flops import matmul_gflops
+from .isolation import ProcessContext
 from .measure import load_average
+from .modes import DEFAULT_MODES, EAGER, LEFT_OUT_BY_DEFAULT, MODE_NAMES, Workload, mode_named
+from .report import add_ratios, markdown, plot, print_console, tokens_cell
+from .rounds import round_order, run_family, warm_up_in_lanes
+from .worker import ModeSpec
 
 DEFAULT_FAMILIES = ("llama", "qwen3_next", "qwen3_5", "bamba")
 # The `bench` extra, checked before any work: module -> what it is for
@@ -30,14 +44,14 @@ REQUIRED = {"psutil": "peak memory per mode and stopping a worker's compile proc
 # up first, one cold compile per core ("compiles-first"); each mode compiles cold from its own inductor cache, with
 # dynamo's specialize_float on (stock and patched alike), and keeps freed memory as a GPU's caching allocator does.
 WARMUP, ALLOCATOR, SPECIALIZE_FLOAT = "compiles-first", "keep", True
+COMPILE_LANES = max(1, os.cpu_count() or 1)  # cold compiles at once: one per core (a compile keeps about one busy)
 
 
-def add_arguments(parser) -> None:
-    from .modes import DEFAULT_MODES
-
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=",".join(DEFAULT_FAMILIES),
-                        help="comma-separated families, or 'all' for every registered family "
-                             f"(default: {','.join(DEFAULT_FAMILIES)})")
+                        help=f"comma-separated families, or 'all' (default: {','.join(DEFAULT_FAMILIES)})")
     parser.add_argument("--modes", default=None,
                         help=f"comma-separated modes, or 'all' (default: {','.join(DEFAULT_MODES)})")
     parser.add_argument("--full", action="store_true", help="every mode (the full matrix; same as --modes all)")
@@ -46,28 +60,22 @@ def add_arguments(parser) -> None:
     parser.add_argument("--tokens-per-step", type=int, default=8192, help="real tokens a step, at most (default: 8192)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ... (default: cpu)")
     parser.add_argument("--compile-backend", default="inductor", help="torch.compile backend (default: inductor)")
-    parser.add_argument("--mode-timeout", type=float, default=120.0, help="seconds a mode's worker may take to get "
-                        "ready (build, check, compile, warm-up) before it is stopped as timed out (default: 120)")
-    parser.add_argument("--step-timeout", type=float, default=300.0, help="seconds a mode may take for one timed "
-                        "round: a stop for a step that hangs (the slowest takes ~17 s on 2 idle cores; default: 300)")
+    parser.add_argument("--mode-timeout", type=float, default=120.0,
+                        help="seconds a mode may take to build, check, compile and warm up (default: 120)")
+    parser.add_argument("--step-timeout", type=float, default=300.0,
+                        help="seconds a mode may take for one timed round (the slowest: ~17 s; default: 300)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the document mix and the weights")
-    parser.add_argument("--out", default=str(RESULTS), help="output directory (default: benchmarks/results)")
+    parser.add_argument("--out", default=str(history.RESULTS), help="output directory (default: benchmarks/results)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--no-plot", action="store_true", help="write no PNG plot (no matplotlib needed)")
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m benchmarks [train] [options]``."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-def run(args) -> int:
-    from .modes import Workload
-
+    """``python -m benchmarks [train] [options]``: ``train``, the one command, may be left out."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv[1:] if argv[:1] == ["train"] else argv)
     if args.steps < 1:
         raise SystemExit("--steps must be at least 1")
     can_plot = check_dependencies(plot=not args.no_plot)  # before any work: a missing package stops it here
@@ -78,7 +86,7 @@ def run(args) -> int:
                         seed=args.seed)
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"{_device_label(args.device)}-{datetime.date.today().isoformat()}"
+    stem = f"{args.device.split(':')[0]}-{datetime.date.today().isoformat()}"
     print(f"compilepack bench: {', '.join(families)}; {mode_set} modes: {', '.join(modes)}; "
           f"{args.steps} timed rounds per mode", flush=True)
     if left_out:
@@ -91,46 +99,36 @@ def run(args) -> int:
     report = _report(args, results, workload, time.monotonic() - started, modes, mode_set, left_out)
     report["load_avg"] = {"start": load_start, "end": load_average()}
     _add_utilization(report, matmul)
-    _write(report, out, stem, can_plot)
+    history.write(report, out, stem, markdown, plot if can_plot else None, show=print_console,
+                  no_plot=" (no .png: matplotlib is not installed, or --no-plot)")
     return 0
 
 
 def check_dependencies(plot: bool = True) -> bool:
     """Stop (naming each missing package, what it is for and the install command) when a required package is
     missing; warn when matplotlib is. Returns whether the plot can be drawn."""
-    missing = [module for module in REQUIRED if not _importable(module)]
+    missing = [module for module in REQUIRED if not importlib.util.find_spec(module)]
     if missing:
         raise SystemExit("the benchmark needs packages that are not installed:\n"
                          + "\n".join(f"  {module}: {REQUIRED[module]}" for module in missing)
                          + f"\nInstall them with: pip install {' '.join(missing)}\n"
                          + 'or every bench extra with: pip install -e ".[bench]"  (in the checkout)')
-    if plot and not _importable("matplotlib"):
+    if plot and not importlib.util.find_spec("matplotlib"):
         print("warning: matplotlib is not installed, so this run writes no PNG plot (the JSON and markdown are "
               "written as usual). Install it with: pip install matplotlib")
         return False
     return plot
 
 
-def _importable(module: str) -> bool:
-    try:
-        return bool(importlib.import_module(module))
-    except ImportError:
-        return False
-
-
 def resolve_families(text: str) -> list[str]:
     """'all' -> every registered family; else the named ones, each checked against the registry."""
-    from compilepack.patching import families, family_named
-
     if text.strip() == "all":
-        return [family.name for family in families()]
+        return [family.name for family in compilepack.families()]
     return [family_named(name.strip()).name for name in text.split(",") if name.strip()]
 
 
 def resolve_modes(text: str | None, full: bool = False) -> tuple[list[str], str, dict[str, str]]:
     """(modes in the documented order, "default"/"full"/"custom", left-out mode -> why)."""
-    from .modes import DEFAULT_MODES, LEFT_OUT_BY_DEFAULT, MODE_NAMES, mode_named
-
     if full and text is not None and text.strip() != "all":
         raise SystemExit("--full runs every mode; give either --full or --modes")
     if full or (text is not None and text.strip() == "all"):
@@ -145,14 +143,7 @@ def resolve_modes(text: str | None, full: bool = False) -> tuple[list[str], str,
 def _run_all(args, families, modes, workload, scratch: pathlib.Path, log_dir: pathlib.Path) -> list[dict]:
     """Every family's results: the compiled modes of every family get ready first, as many at a time as cores;
     then each family's eager modes and its rounds."""
-    from tqdm import tqdm
-
-    from compilepack.patching import family_named
-
-    from .isolation import ProcessContext
-    from .modes import EAGER, mode_named
-    from .report import write_json
-    from .rounds import run_family, warm_up_in_lanes
+    from tqdm import tqdm  # a bench extra: checked before any work
 
     log_dir.mkdir(parents=True, exist_ok=True)
     context = ProcessContext(preload=[family_named(name).modeling for name in families])
@@ -169,7 +160,7 @@ def _run_all(args, families, modes, workload, scratch: pathlib.Path, log_dir: pa
         try:
             early = {(family, mode): w for family, by_mode in workers.items() for mode, w in by_mode.items()
                      if mode_named(mode).compile is not EAGER}
-            warm = warm_up_in_lanes(early, _compile_lanes(), args.mode_timeout, count)
+            warm = warm_up_in_lanes(early, COMPILE_LANES, args.mode_timeout, count)
             for family in families:
                 done_before = bar.n
                 family_warm = {mode: ok for (name, mode), ok in warm.items() if name == family}
@@ -184,8 +175,9 @@ def _run_all(args, families, modes, workload, scratch: pathlib.Path, log_dir: pa
                     bar.write(_one_line(result))
                 results += family_results
                 # what is measured so far, in case the run is stopped
-                write_json({"partial": True, "families_done": list(dict.fromkeys(r["family"] for r in results)),
-                            "results": results}, log_dir / "partial.json")
+                partial = {"partial": True, "families_done": list(dict.fromkeys(r["family"] for r in results)),
+                           "results": results}
+                (log_dir / "partial.json").write_text(json.dumps(partial, indent=1) + "\n")
                 # a mode that ended early skips its remaining rounds; warm-ups counted before are not counted again
                 bar.update(done_before + units - len(family_warm) - bar.n)
         finally:
@@ -195,14 +187,7 @@ def _run_all(args, families, modes, workload, scratch: pathlib.Path, log_dir: pa
     return results
 
 
-def _compile_lanes() -> int:
-    """Cold compiles run at once: one per core (a compile keeps about one busy)."""
-    return max(1, os.cpu_count() or 1)
-
-
 def _spec(args, family, mode, workload, scratch: pathlib.Path, log_dir: pathlib.Path):
-    from .worker import ModeSpec
-
     cache = scratch / f"inductor-{family}-{mode}"  # a fresh cache per mode: every compile is cold
     cache.mkdir()
     return ModeSpec(
@@ -213,8 +198,6 @@ def _spec(args, family, mode, workload, scratch: pathlib.Path, log_dir: pathlib.
 
 
 def _matmul_throughput(args) -> dict:
-    from .flops import matmul_gflops
-
     return matmul_gflops(args.threads) if args.device == "cpu" else {}
 
 
@@ -232,8 +215,6 @@ def _add_utilization(report: dict, matmul: list[dict]) -> None:
 
 
 def _one_line(result: dict) -> str:
-    from .report import tokens_cell
-
     text = f"{result['family']:>11} {result['mode']:<24} {tokens_cell(result):>22} tok/s"
     if result.get("compile_s") is not None:
         text += f"  compile {result['compile_s']:.1f} s"
@@ -243,16 +224,6 @@ def _one_line(result: dict) -> str:
 
 
 def _report(args, results: list[dict], workload, wall_s: float, modes, mode_set, left_out) -> dict:
-    import torch
-    import transformers
-
-    import compilepack
-
-    from .bars import evaluate
-    from .modes import mode_named
-    from .report import add_ratios
-    from .rounds import round_order
-
     add_ratios(results)
     for result in results:
         result["description"] = mode_named(result["mode"]).description
@@ -260,14 +231,14 @@ def _report(args, results: list[dict], workload, wall_s: float, modes, mode_set,
         "tokens_per_step": workload.tokens_per_step, "steps": workload.steps, "warmup_steps": workload.warmup_steps,
         "grouped_steps_per_round": workload.grouped_per_round, "mode_set": mode_set, "modes": list(modes),
         "left_out": left_out, "round_order": [round_order(list(modes), index) for index in range(workload.steps)],
-        "interleaved": "step by step", "patched_steps_per_round": workload.patched_steps_per_round,
+        "interleaved": "step by step", "patched_steps_per_round": workload.grouped_per_round,
         "warmup": WARMUP, "seed": workload.seed, "compile_backend": args.compile_backend, "config": "bench",
         "widths": "bench", "time_split": False, "mode_timeout_s": args.mode_timeout,
         "step_timeout_s": args.step_timeout, "inductor_cache": "fresh per mode (cold compiles)",
         "isolation": "process", "allocator": ALLOCATOR, "specialize_float": SPECIALIZE_FLOAT,
-        "compile_lanes": _compile_lanes(),
+        "compile_lanes": COMPILE_LANES,
     }
-    return {"device": _device_label(args.device), "device_name": _device_name(args.device),
+    return {"device": args.device.split(":")[0], "device_name": _device_name(args.device),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "compilepack": compilepack.__version__, "python": platform.python_version(),
             "date": datetime.datetime.now().isoformat(timespec="seconds"), "cores": os.cpu_count(),
@@ -277,12 +248,10 @@ def _report(args, results: list[dict], workload, wall_s: float, modes, mode_set,
 
 
 def _workload_summary(workload) -> dict:
-    from . import data
-
     _, timed = workload.arrival_steps()
     lengths = [len(doc) for step in timed for doc in step]
     real = sum(lengths)
-    padded = sum(data.padded_batch(step)["input_ids"].numel() for step in timed)
+    padded = sum(padded_batch(step)["input_ids"].numel() for step in timed)
     mix = workload.mix
     return {"length_mix": f"lognormal(mu={mix.mu}, sigma={mix.sigma}) clipped to [{mix.min_len}, {mix.max_len}]",
             "text": "Python stdlib sources, byte-level tokens (vocab 256)", "timed_docs": len(lengths),
@@ -291,21 +260,7 @@ def _workload_summary(workload) -> dict:
             "arrival_padding_frac": round(1 - real / padded, 4), "arrival_padded_over_real": round(padded / real, 2)}
 
 
-def _write(report: dict, out: pathlib.Path, stem: str, can_plot: bool = True) -> None:
-    from .history import write
-    from .report import markdown, plot, print_console
-
-    write(report, out, stem, markdown, plot if can_plot else None, show=print_console,
-          no_plot=" (no .png: matplotlib is not installed, or --no-plot)")
-
-
-def _device_label(device: str) -> str:
-    return device.split(":")[0]
-
-
 def _device_name(device: str) -> str:
-    import torch
-
     if device.startswith("cuda"):
         return torch.cuda.get_device_name(torch.device(device))
     return _cpu_model() or platform.processor() or "cpu"

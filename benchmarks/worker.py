@@ -6,18 +6,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
+import gc
 import os
 import statistics
-import sys
 import time
 import traceback
 
 import torch
 
+import compilepack
+from compilepack import testing
 from compilepack.patching import family_named
-from compilepack.patching.builder import function_behind
-from compilepack.testing.reference import max_error
+from compilepack.testing.reference import logits_alone, max_error
+from compilepack.testing.results import describe_error
 
 from . import measure
 from .flops import step_flops
@@ -80,7 +81,9 @@ class ModeSession:
 
     def finish(self) -> dict:
         self._rss.resume()
-        self.result["peak_mem_mb"] = round(measure.peak_memory_mb(torch.device(self.spec.device), self._rss), 1)
+        device = torch.device(self.spec.device)  # max allocated on CUDA, RSS above the mode's baseline elsewhere
+        peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else self._rss.stop_mb()
+        self.result["peak_mem_mb"] = round(peak, 1)
         return self.result
 
     def _attempt(self, work) -> bool:
@@ -88,7 +91,7 @@ class ModeSession:
             work()
             return True
         except Exception as error:  # noqa: BLE001 (whatever the mode raised is its result)
-            self.result["error"] = _describe(error)
+            self.result["error"] = describe_error(error)
             print(traceback.format_exc(), flush=True)  # into the mode's log
             return False
 
@@ -96,8 +99,6 @@ class ModeSession:
         self._report(phase, self.result)
 
     def _prepare(self) -> None:
-        import compilepack
-
         spec, result = self.spec, self.result
         if spec.threads:
             torch.set_num_threads(spec.threads)
@@ -107,7 +108,8 @@ class ModeSession:
         _refuse_known_failure(spec)
         self._phase("batching")
         warmup, self._rounds = self._mode.batches(spec.workload)
-        _record_padding(result, [batch for batches in self._rounds for batch in batches])
+        timed = [batch for batches in self._rounds for batch in batches]
+        result["padding_frac"] = round(1 - sum(b.real_tokens for b in timed) / sum(b.shaped_tokens for b in timed), 4)
         result["round_steps"] = [len(batches) for batches in self._rounds]  # what the driver interleaves
         self._phase("building model")
         model = build_model(family, spec.config, spec.workload.seed).to(self._device)
@@ -115,11 +117,11 @@ class ModeSession:
         result["trained_params_m"] = round(sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6, 2)
         self._model, result["attn_implementation"] = model, model.config._attn_implementation
         if not self._mode.patched:
-            result["stock_path"] = stock_path(model, self._device)
+            result["stock_path"] = testing.stock_path(model, self._device)
         first = (warmup or self._rounds[0])[0]
         self._check_docs = first.docs[: spec.check_docs]
         self._phase("logits alone")
-        self._alone = measure.logits_alone(model, self._check_docs, self._device)
+        self._alone = logits_alone(model, self._check_docs, self._device)
         if self._mode.name == STOCK_PACKED:
             result["max_logit_diff_position_ids_only"] = _position_ids_only_diff(
                 model, first, self._check_docs, self._alone, self._device)
@@ -265,8 +267,6 @@ def serve(spec: ModeSpec, connection) -> None:
 
 def _import_family(spec: ModeSpec) -> None:
     """Import what building the model imports lazily before the memory baseline (peak memory is the mode's)."""
-    import gc
-
     with contextlib.suppress(Exception):  # the session meets the same error and records it
         build_model(family_named(spec.family), spec.config, seed=0)
     gc.collect()
@@ -274,33 +274,12 @@ def _import_family(spec: ModeSpec) -> None:
 
 def build_model(family, config, seed: int) -> torch.nn.Module:
     """The family's bench model (or ``config``'s), random init from ``seed``, training mode, no cache."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config if config is not None else family.bench_config())
+    config = family.bench_config() if config is None else config
+    model = testing.build_model(config, layers=None, seed=seed, patch=False)
     for sub_config in (model.config, getattr(model.config, "text_config", None)):
         if sub_config is not None:
             sub_config.use_cache = False  # what HF Trainer sets for training
     return model.train()
-
-
-def stock_path(model: torch.nn.Module, device) -> str:
-    """The code stock runs for this model's mixers, in words, e.g. "cpu; attention: sdpa; causal_conv1d_fn: torch
-    fallback": each kernel-backed global of its modeling module with the package its wrapper found at import."""
-    parts = [torch.device(device).type, f"attention: {model.config._attn_implementation}"]
-    module = sys.modules.get(type(model).__module__)
-    for name, function in sorted(vars(module).items() if module else ()):
-        cells = kernel_closure(function) or kernel_closure(getattr(function, "__wrapped__", None))
-        if "is_new_implementation" in cells:
-            found = cells["package"] if cells["is_new_implementation"] else "torch fallback"
-            parts.append(f"{name}: {found}")
-    return "; ".join(parts)
-
-
-def kernel_closure(function) -> dict:
-    """The closure cells of a transformers kernel function (``use_kernel_func_from_hub_with_fallback``'s wrapper)."""
-    function = function_behind(function) or function
-    return inspect.getclosurevars(function).nonlocals if inspect.isfunction(function) else {}
 
 
 def _compiled(model, mode, backend: str, specialize_float: bool = False):
@@ -330,20 +309,10 @@ def _train_step(model, batch: Batch, optimizer, sync, device, keep_logits: bool)
 
 def _position_ids_only_diff(model, batch: Batch, check_docs, alone, device) -> float:
     """What stock does with a packed row when no boundary kwarg reaches it (the silent leak, if any)."""
-    from compilepack.testing import position_ids_only
-
-    tensors = {k: v.to(device) for k, v in position_ids_only(batch.tensors).items()}
+    tensors = {k: v.to(device) for k, v in testing.position_ids_only(batch.tensors).items()}
     with torch.no_grad():
         logits = model(**tensors).logits
     return max_error(logits, measure.doc_spans(batch.tensors, check_docs), alone)
-
-
-def _record_padding(result: dict, timed: list[Batch]) -> None:
-    result["padding_frac"] = round(1 - sum(b.real_tokens for b in timed) / sum(b.shaped_tokens for b in timed), 4)
-
-
-def _describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
 
 
 @contextlib.contextmanager

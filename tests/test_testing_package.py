@@ -1,7 +1,10 @@
 """compilepack.testing is a package whose names are a public contract: everything its single module exported
-before the split is still importable from ``compilepack.testing``, with the pytest fixtures."""
+before the split is still importable from ``compilepack.testing``, with the pytest fixtures. Plus the helpers the
+benchmark and the GPU check share with users: the padded batch stock trains on, the code stock runs."""
 
 from __future__ import annotations
+
+import torch
 
 import compilepack.cli.check
 from compilepack import testing
@@ -29,3 +32,24 @@ def test_check_command_has_no_loader_or_builder_of_its_own():
     """One config loader and one model builder: compilepack.testing.models', which the command calls."""
     assert not {"_config", "_builder", "_refuse_remote_code"} & set(vars(compilepack.cli.check))
     assert set(compilepack.cli.check.CHECKS) == set(testing.CHECK_NAMES)
+
+
+def test_the_padded_batch_pads_right_and_masks_the_pads():
+    batch = testing.padded_batch([[5, 6, 7], [8]], multiple_of=4)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 0], [8, 0, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0], [1, 0, 0, 0]]
+    assert batch["labels"].tolist() == [[5, 6, 7, -100], [8, -100, -100, -100]]
+    assert batch["input_ids"].dtype == batch["attention_mask"].dtype == torch.long
+
+
+def test_stock_path_names_the_fallbacks_a_hybrid_runs():
+    from transformers import AutoModelForCausalLM
+
+    from compilepack.patching import family_named
+
+    hybrid = AutoModelForCausalLM.from_config(family_named("qwen3_5").bench_config())
+    path = testing.stock_path(hybrid)  # the device: the model's
+    assert path.startswith("cpu; attention: sdpa; ")
+    assert "causal_conv1d_fn: torch fallback" in path and "torch_chunk_gated_delta_rule: torch fallback" in path
+    attention_only = AutoModelForCausalLM.from_config(family_named("llama").bench_config())
+    assert testing.stock_path(attention_only, "cpu") == "cpu; attention: sdpa"  # the control: no kernel globals

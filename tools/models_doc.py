@@ -1,17 +1,11 @@
-"""Measure what stock transformers does with a packed batch, per family, and regenerate docs/models.md's tables.
+"""Measure what stock transformers does with a packed batch, per family, and regenerate docs/models.md's table.
 
-For every registered family (its bench model, fp32, CPU) the same packed documents are run
-- stock, HF collator batch (boundary kwargs), config defaults (use_cache=True),
-- stock, position_ids only, use_cache=False (what the HF Trainer does with a position-ids-only collator),
-- patched, HF collator batch,
-and each is compared with every document run alone (max |logit difference|), or the error it raises.
+Every registered family's bench model (fp32, CPU) runs the same packed documents stock with the HF collator's
+boundary kwargs (config defaults), stock with position_ids only and use_cache=False (as the HF Trainer runs a
+position-ids-only collator), and patched; each is compared with every document alone, or names the error it raised.
 
     python tools/models_doc.py            # print the table
-    python tools/models_doc.py --write    # regenerate the family table of docs/models.md
-
-``--write`` rewrites only what lies between docs/models.md's ``<!-- models_doc.py: families -->`` and ``<!--
-/models_doc.py -->`` markers; the rest of the page (measured once, each section says how and when) is edited by
-hand.
+    python tools/models_doc.py --write    # rewrite docs/models.md between its models_doc.py markers (only there)
 """
 
 from __future__ import annotations
@@ -26,8 +20,10 @@ import torch
 import transformers
 
 import compilepack
+from compilepack.testing import build_model
 from compilepack.testing.batches import packed_batch, position_ids_only, random_documents
 from compilepack.testing.reference import logits_alone, max_error
+from compilepack.testing.results import describe_error
 
 LENGTHS = [70, 1, 23, 5, 40]
 DOCS_PATH = Path(__file__).resolve().parents[1] / "docs" / "models.md"
@@ -44,20 +40,10 @@ column names the library each op calls on CUDA when it is installed (otherwise t
 COLUMNS = ("stock, boundary kwargs", "stock, position_ids only", "patched")
 
 
-def bench_model(family) -> torch.nn.Module:
-    """The family's benchmark model, random weights from seed 0."""
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(family.bench_config())
-
-
-def documents(model) -> list[list[int]]:
-    return random_documents(random.Random(0), model.config.get_text_config().vocab_size, LENGTHS)
-
-
 def measure(family) -> dict:
-    stock = bench_model(family).eval()
+    stock = build_model(family.bench_config(), layers=None, patch=False)  # random weights from seed 0, eval mode
     patched = compilepack.patch(copy.deepcopy(stock))
-    packed = packed_batch(documents(stock))
+    packed = packed_batch(random_documents(random.Random(0), stock.config.get_text_config().vocab_size, LENGTHS))
     alone = logits_alone(stock, packed.documents)
     positions_only = {**position_ids_only(packed.batch), "use_cache": False}
     return {column: _error(model, batch, packed.spans, alone) for column, model, batch in zip(
@@ -69,7 +55,7 @@ def _error(model, batch, spans, alone) -> str:
         with torch.no_grad():
             logits = model(**batch).logits
     except Exception as error:  # stock refuses some packed batches: that is the finding
-        return f"{type(error).__name__}: {str(error).splitlines()[0][:90]}"
+        return describe_error(error, 90)
     return f"{max_error(logits, spans, alone):.1e}"
 
 

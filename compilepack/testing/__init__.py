@@ -23,10 +23,11 @@ carrying it, and its ``assert_*`` raises ``AssertionError`` from that error. Loa
 The reference for "each document alone" is the model itself run on each document as a plain, unpacked batch
 (a patched model runs stock code there), unless another ``reference`` model is given.
 
-Modules: ``batches`` (what the checks run), ``models`` (the config loader and model builder, shared with
-``python -m compilepack check``), ``reference`` (each document alone, tolerances), ``exactness``, ``compiles``,
-``precision``, ``refusal`` (the checks), ``explain`` (graphs, breaks and compiles counted: ``compilepack.explain``,
-``compilepack.count_compiles``), ``results`` (:class:`CheckResult`), ``plugin`` (the fixtures).
+Modules: ``batches`` (what the checks run, and the padded batch stock trains on), ``models`` (the config loader
+and model builder, shared with ``python -m compilepack check``, and :func:`stock_path`), ``reference`` (each
+document alone, tolerances), ``exactness``, ``compiles``, ``precision``, ``refusal`` (the checks), ``explain``
+(graphs, breaks and compiles counted: ``compilepack.explain``, ``compilepack.count_compiles``), ``results``
+(:class:`CheckResult`), ``plugin`` (the fixtures).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from .batches import (
     malformed_documents,
     packed_batch,
     packed_batches,
+    padded_batch,
     position_ids_only,
     varied_batches,
 )
@@ -51,7 +53,7 @@ from .exactness import (
     check_documents_isolated,
     check_packed_matches_unpacked,
 )
-from .models import ConfigError, build_model, causal_lm_builder, layer_kinds, load_config, reduced_config
+from .models import ConfigError, build_model, causal_lm_builder, layer_kinds, load_config, reduced_config, stock_path
 from .precision import BF16_BAR, assert_bf16_close, check_bf16_close
 from .reference import ATTENTION_ONLY_TOLERANCE, HYBRID_TOLERANCE, summed_token_loss, tolerance_for
 from .refusal import assert_refuses_bad_batches, check_refuses_bad_batches
@@ -90,8 +92,10 @@ __all__ = [
     "malformed_documents",
     "packed_batch",
     "packed_batches",
+    "padded_batch",
     "position_ids_only",
     "reduced_config",
+    "stock_path",
     "tolerance_for",
     "varied_batches",
 ]

@@ -1,8 +1,10 @@
 """The batches the checks run: packed batches holding the cases that break packing, a compile stream of varied
-lengths, the same batches without boundary kwargs, and malformed batches that must never run silently."""
+lengths, the same batches without boundary kwargs, malformed batches that must never run silently, and the
+right-padded batch stock trains on (the baseline packing is measured against)."""
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
@@ -57,6 +59,24 @@ def packed_batch(documents: Sequence[Sequence[int]], rows: int = 1, name: str = 
     labels[boundaries.cu_seqlens[:-1].long()] = IGNORE_INDEX  # a document's first token is nobody's target
     batch = {INPUT_IDS: tokens, LABELS: labels.view(rows, -1), **boundaries.as_kwargs()}
     return PackedBatch(name, documents, batch)
+
+
+def padded_batch(documents: Sequence[Sequence[int]], multiple_of: int = 1, pad_token_id: int = 0) -> dict:
+    """The right-padded ``[len(documents), L]`` batch ``DataCollatorForLanguageModeling`` makes: ``attention_mask``
+    0 and ``labels`` -100 on the pads; ``L`` is the longest document, rounded up to ``multiple_of``.
+
+    >>> padded_batch([[5, 6, 7], [8]])["labels"]
+    tensor([[   5,    6,    7],
+            [   8, -100, -100]])
+    """
+    length = math.ceil(max(len(doc) for doc in documents) / multiple_of) * multiple_of
+    input_ids = torch.full((len(documents), length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(documents), length), dtype=torch.long)
+    for row, doc in enumerate(documents):
+        input_ids[row, : len(doc)] = torch.tensor(doc, dtype=torch.long)
+        attention_mask[row, : len(doc)] = 1
+    labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
+    return {INPUT_IDS: input_ids, ATTENTION_MASK: attention_mask, LABELS: labels}
 
 
 def packed_batches(vocab_size: int, *, chunk: int = DEFAULT_CHUNK, seed: int = 0) -> list[PackedBatch]:

@@ -1,20 +1,24 @@
 """The model a check runs: its config read from a family name, a config, a checkpoint directory or a hub id (one
 loader, :func:`load_config`), built by one builder (:func:`causal_lm_builder`) with random weights and, by default,
 one decoder layer of each kind the config has (:func:`reduced_config`). ``python -m compilepack check`` and
-:func:`build_model` both build through these."""
+:func:`build_model` both build through these. :func:`stock_path` says which code stock transformers runs for a
+model's mixers (kernel or torch fallback): the baseline a packed run is compared with."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import json
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from ..errors import CompilepackError, UnsupportedModelError
+from ..patching.builder import function_behind
 from .results import describe_error
 
 
@@ -209,3 +213,28 @@ def _with_layers(config, keep: list[int]):
 def _on_meta(builder: Callable, config) -> torch.nn.Module:
     with torch.device("meta"):
         return builder(config)
+
+
+# ------------------------------------------------------------------------------------------------ what stock runs
+
+
+def stock_path(model: torch.nn.Module, device=None) -> str:
+    """The code stock transformers runs for ``model``'s mixers, in words, e.g. ``"cpu; attention: sdpa;
+    causal_conv1d_fn: torch fallback"``: the device (default: the model's), the attention implementation, then each
+    kernel global of the model's modeling module (``use_kernel_func_from_hub_with_fallback``) with the package its
+    wrapper found at import, or "torch fallback" (read from the wrapper's closure: what runs, not what is
+    installed)."""
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    parts = [device.type, f"attention: {model.config._attn_implementation}"]
+    module = sys.modules.get(type(model).__module__)
+    for name, function in sorted(vars(module).items() if module else ()):
+        cells = _closure(function) or _closure(getattr(function, "__wrapped__", None))
+        if "is_new_implementation" in cells:
+            parts.append(f"{name}: {cells['package'] if cells['is_new_implementation'] else 'torch fallback'}")
+    return "; ".join(parts)
+
+
+def _closure(function) -> dict:
+    """The closure cells of a transformers kernel function (``use_kernel_func_from_hub_with_fallback``'s wrapper)."""
+    function = function_behind(function) or function
+    return inspect.getclosurevars(function).nonlocals if inspect.isfunction(function) else {}

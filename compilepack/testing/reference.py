@@ -35,10 +35,11 @@ def tolerance_for(model: torch.nn.Module) -> float:
     return ATTENTION_ONLY_TOLERANCE if only_attention else HYBRID_TOLERANCE
 
 
-def logits_alone(model: torch.nn.Module, documents: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-    """fp32 logits ``[len(doc), vocab]`` of each document run alone, as a plain one-row batch."""
+def logits_alone(model: torch.nn.Module, documents: Sequence[Sequence[int]], device=None) -> list[torch.Tensor]:
+    """fp32 logits ``[len(doc), vocab]`` of each document run alone, as a plain one-row batch on ``device``."""
     with torch.no_grad():
-        return [model(input_ids=torch.tensor([doc]), use_cache=False).logits[0].float() for doc in documents]
+        return [model(input_ids=torch.tensor([doc], device=device), use_cache=False).logits[0].float()
+                for doc in documents]
 
 
 def per_document(logits: torch.Tensor, spans: Sequence[tuple[int, int]]) -> list[torch.Tensor]:

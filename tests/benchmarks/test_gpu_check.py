@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from compilepack.ops import backends
-from tools.gpu_check import common, families, ops, run
+from tools.gpu_check import common, ops, run
 
 ROOT = Path(__file__).resolve().parents[2]
 OPS = {"varlen_attention", "causal_conv1d_varlen", "gated_delta_rule_varlen", "kimi_delta_attention_varlen",
@@ -139,17 +139,6 @@ def test_the_caches_pack_into_parts_and_unpack(tmp_path):
     assert list(sizes) == ["triton"] and sorted(p.name for p in out.iterdir()) == ["gpucache-triton.tar.xz.aa"]
     assert run.unpack_caches(out, back) == {"triton": 1}
     assert (back / "triton" / "abc" / "k.autotune.json").read_text() == '{"configs": 2}'
-
-
-def test_stock_path_names_the_fallbacks_a_hybrid_runs():
-    from transformers import AutoModelForCausalLM
-
-    from compilepack.patching import family_named
-
-    model = AutoModelForCausalLM.from_config(family_named("qwen3_5").bench_config())
-    path = families.stock_path(model, "cpu")
-    assert path.startswith("cpu; attention: sdpa; ")
-    assert "causal_conv1d_fn: torch fallback" in path and "torch_chunk_gated_delta_rule: torch fallback" in path
 
 
 def test_varied_batches_fill_their_rows_and_hold_empty_documents():

@@ -18,6 +18,7 @@ from compilepack.integrations import boundary_kwargs
 from compilepack.integrations import rl_trainers as packing
 from compilepack.integrations.rl_trainers import PackedModelCall, RowSpans
 from compilepack.patching import family_named
+from compilepack.testing import padded_batch
 from tests.families import build_tiny
 
 pytest.importorskip("trl")
@@ -73,9 +74,8 @@ def dpo_batch(vocab_size: int):
     prompts = random_tokens(vocab_size, DPO_PROMPTS, 3)
     completions = random_tokens(vocab_size, CHOSEN, 4) + random_tokens(vocab_size, REJECTED, 5)
     sequences = [p + c for p, c in zip(prompts * 2, completions)]
-    width = max(map(len, sequences))
-    ids = torch.tensor([s + [PAD] * (width - len(s)) for s in sequences])
-    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences])
+    padded = padded_batch(sequences, pad_token_id=PAD)
+    ids, mask, width = padded["input_ids"], padded["attention_mask"], padded["input_ids"].shape[1]
     completion = torch.tensor([[0] * len(p) + [1] * len(c) + [0] * (width - len(p) - len(c))
                                for p, c in zip(prompts * 2, completions)])
     scored = [(len(p) - 1, len(c)) for p, c in zip(prompts * 2, completions)]
@@ -190,9 +190,8 @@ LENGTHS = [9, 1, 70, 4]
 def self_packed_layouts(vocab_size: int):
     """The same sequences packed as verl, OpenRLHF and prime-rl pack them (the row and the lengths they hold)."""
     sequences = random_tokens(vocab_size, LENGTHS, 7)
-    width = max(LENGTHS)
-    padded = torch.tensor([s + [PAD] * (width - len(s)) for s in sequences])
-    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences])
+    batch = padded_batch(sequences, pad_token_id=PAD)
+    padded, mask = batch["input_ids"], batch["attention_mask"]
     # verl: flash-attn's unpad_input(input_ids.unsqueeze(-1), attention_mask): tokens where the mask is set, and
     # cu_seqlens = F.pad(cumsum(seqlens), (1, 0)) (int32); its Ulysses padding is one more segment at the end
     rmpad = padded[mask.bool()][None]

@@ -12,8 +12,7 @@ STARTED = time.perf_counter()  # before torch's import: the budget counts the im
 
 def _checkout_patches() -> None:
     """Make ``compilepack.patches`` the checkout's ``patches/`` where compilepack is not installed (the lent GPU's
-    image runs the checkout from PYTHONPATH; only ``pip install`` maps that folder into the package). Seen on the
-    first GPU run (2026-12-04): every family check failed with "No module named 'compilepack.patches'"."""
+    image runs the checkout from PYTHONPATH; only ``pip install`` maps that folder into the package)."""
     if importlib.util.find_spec("compilepack.patches") is not None:
         return
     folder = Path(__file__).resolve().parents[2] / "patches"

@@ -5,26 +5,18 @@ from __future__ import annotations
 
 import copy
 import random
-import sys
 import time
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
-from transformers import AutoModelForCausalLM
 
 import compilepack
+from compilepack.batch.keys import HOST_BOUNDARY_KEYS
 from compilepack.ops import backends
 from compilepack.patching import family_named
-from compilepack.patching.builder import function_behind
-from compilepack.testing.batches import packed_batch, random_documents
+from compilepack.testing import build_model, packed_batch, padded_batch, stock_path
+from compilepack.testing.batches import random_documents
 
 from .common import Context, auto_outcome, describe, guarded, max_err, synchronize
-
-BOUNDARIES = ("cu_seq_lens_q", "cu_seq_lens_k")
-
-
-def documents_of(vocab, lengths, seed):
-    return random_documents(random.Random(seed), vocab, lengths)
 
 
 def batch_of(docs, device, boundaries_on_device=False):
@@ -32,23 +24,8 @@ def batch_of(docs, device, boundaries_on_device=False):
     them: the patched model moves them itself and keeps the host copy) unless ``boundaries_on_device``."""
     batch = compilepack.to_device(packed_batch(docs).batch, device)
     if boundaries_on_device:
-        batch.update({key: batch[key].to(device) for key in BOUNDARIES})
+        batch.update({key: batch[key].to(device) for key in HOST_BOUNDARY_KEYS})
     return batch
-
-
-def stock_path(model, device) -> str:
-    """The code stock transformers runs for this model's mixers, in words: its attention implementation, then each
-    kernel global of its modeling module (``use_kernel_func_from_hub_with_fallback``) with the package it found at
-    import, or "torch fallback" (read from the wrapper's closure: what runs, not what is installed)."""
-    parts = [torch.device(device).type, f"attention: {model.config._attn_implementation}"]
-    module = sys.modules.get(type(model).__module__)
-    for name, function in sorted(vars(module).items() if module else ()):
-        function = function_behind(function) or function
-        code, closure = getattr(function, "__code__", None), getattr(function, "__closure__", None)
-        cells = dict(zip(code.co_freevars, (c.cell_contents for c in closure))) if code and closure else {}
-        if "is_new_implementation" in cells:
-            parts.append(f"{name}: {cells['package'] if cells['is_new_implementation'] else 'torch fallback'}")
-    return "; ".join(parts)
 
 
 def speed_batches(vocab, steps, tokens_per_step, device):
@@ -59,7 +36,7 @@ def speed_batches(vocab, steps, tokens_per_step, device):
         lengths = []
         while sum(lengths) < tokens_per_step:
             lengths.append(min(2048, max(8, int(rng.lognormvariate(5.5, 1.0)))))
-        docs = documents_of(vocab, lengths, seed=100 + i)
+        docs = random_documents(random.Random(100 + i), vocab, lengths)
         batches.append((docs, batch_of(docs, device)))
     return batches
 
@@ -67,8 +44,7 @@ def speed_batches(vocab, steps, tokens_per_step, device):
 def check_family(name: str, ctx: Context) -> tuple[dict, dict]:
     """(the family's speed row, its checks)."""
     start = time.perf_counter()
-    torch.manual_seed(0)
-    stock = AutoModelForCausalLM.from_config(family_named(name).bench_config()).to(ctx.device, ctx.dtype)
+    stock = build_model(family_named(name).bench_config(), layers=None, patch=False).to(ctx.device, ctx.dtype)
     auto = auto_outcome(copy.deepcopy(stock))
     patched = compilepack.patch(copy.deepcopy(stock), backend=ctx.chosen())
     vocab = stock.config.get_text_config().vocab_size
@@ -88,7 +64,7 @@ def check_family(name: str, ctx: Context) -> tuple[dict, dict]:
         speed[label] = guarded({}, lambda sb=stock_batches: {**throughput(stock, stock, sb, ctx.device),
                                                               "stock_path": stock_path(stock, ctx.device)})
     checks["stock_path"] = stock_path(stock, ctx.device)
-    docs = documents_of(vocab, [70, 1, 23, 5, 40] if ctx.simulate else [700, 1, 230, 64, 1500], seed=0)
+    docs = random_documents(random.Random(0), vocab, [70, 1, 23, 5, 40] if ctx.simulate else [700, 1, 230, 64, 1500])
     checks["max_logit_diff_packed_vs_alone"] = guarded({}, lambda: packed_vs_alone(patched, docs, ctx.device))
     checks["explain_forward"] = guarded({}, lambda: str(compilepack.explain(patched, batch_of(docs, ctx.device))))
     checks["wall_s"] = round(time.perf_counter() - start, 1)
@@ -106,9 +82,8 @@ def packed_vs_alone(model, docs, device):
 
 def sync_free_steps(step, model, batches, ctx: Context):
     """The compiled step again on two of its batches (simulated: one) under CUDA's sync debug mode set to error,
-    boundaries on the host (the recipe). Beside it the boundaries on the device, as HF Trainer moves them (a sync
-    where a kernel needs host sizes), compiled with dynamo alone (backend "eager"): the syncs are the ops', and a
-    second inductor compile per family would not fit the lease."""
+    boundaries on the host (the recipe); beside it on the device, as HF Trainer moves them, compiled with dynamo
+    alone ("eager": the syncs are the ops', and a second inductor compile per family would not fit the lease)."""
     result = {}
     for label, on_device in (("host_boundaries", False), ("device_boundaries", True)):
         runs = [batch_of(docs, ctx.device, on_device) for docs, _ in batches[: 1 if ctx.simulate else 2]]
@@ -147,19 +122,13 @@ def stock_variants(name, stock, batches, device):
     """What stock can train on the same documents: the packed batch (dense mask) for attention-only models,
     right-padded rows otherwise; FA2 padding-free when flash-attn is installed."""
     if not family_named(name).stock_packs_positions:  # not attention-only
-        return {"stock_padded": [padded(docs, device) for docs, _ in batches]}
+        return {"stock_padded": [{**compilepack.to_device(padded_batch(docs), device), "use_cache": False}
+                                 for docs, _ in batches]}
     packed = [dict(batch_of(docs, device, True), use_cache=False) for docs, _ in batches]
     if backends.is_installed("flash_attn") and torch.device(device).type == "cuda":
         stock.set_attn_implementation("flash_attention_2")
         return {"stock_fa2_padding_free": packed}
     return {"stock_sdpa_packed": packed}
-
-
-def padded(docs, device):
-    ids = pad_sequence([torch.tensor(doc) for doc in docs], batch_first=True)
-    mask = pad_sequence([torch.ones(len(doc), dtype=torch.long) for doc in docs], batch_first=True)
-    return {"input_ids": ids.to(device), "attention_mask": mask.to(device),
-            "labels": ids.masked_fill(mask == 0, -100).to(device), "use_cache": False}
 
 
 def throughput(step, model, batches, device):

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 import compilepack
 from compilepack.patching import family_named
-from compilepack.testing.batches import varied_batches
+from compilepack.testing import build_model, varied_batches
 
 from .common import Context, guarded, max_err
 
@@ -36,24 +36,20 @@ def check_qlora(name, ctx: Context):
 def _qlora_model(name, ctx: Context):
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
-    torch.manual_seed(0)
-    config = family_named(name).bench_config()
-    if ctx.simulate:
-        model = AutoModelForCausalLM.from_config(config)
-    else:
+    model = build_model(family_named(name).bench_config(), layers=None, patch=False)
+    if not ctx.simulate:
         from transformers import BitsAndBytesConfig
 
         quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                           bnb_4bit_compute_dtype=torch.bfloat16)
-        with tempfile.TemporaryDirectory() as folder:  # bitsandbytes quantizes while loading: save a model first
-            AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+        with tempfile.TemporaryDirectory() as folder:  # bitsandbytes quantizes while loading: save the model first
+            model.save_pretrained(folder)
             model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=quantization,
                                                          device_map={"": ctx.device})
     # patched first: the hook prepare_model_for_kbit_training adds comes guarded
     model = compilepack.patch(model, backend=ctx.chosen())
     model = prepare_model_for_kbit_training(model, gradient_checkpointing_kwargs={"use_reentrant": False})
-    config = LoraConfig(r=8, target_modules="all-linear", init_lora_weights=False)
-    return get_peft_model(model, config)
+    return get_peft_model(model, LoraConfig(r=8, target_modules="all-linear", init_lora_weights=False))
 
 
 def _compiled_vs_eager(model, stream, compile_backend):

@@ -69,18 +69,15 @@ def caches(folder: Path, configs: int):
     pruned to ``configs`` configs per kernel (0: all; the library's own pruning first); all restored after."""
     settings = {"TRITON_CACHE_DIR": str(folder / "triton"), "TRITON_CACHE_AUTOTUNING": "1",
                 "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor")}
-    with mock.patch.dict(os.environ, settings):  # set before Triton's import; the environment as it was after
+    # the environment set before Triton's import, and as it was after; the pruning undone first
+    with mock.patch.dict(os.environ, settings), contextlib.ExitStack() as undo:
         autotuner = importlib.import_module("triton.runtime.autotuner") if importlib.util.find_spec("triton") else None
-        original = autotuner and autotuner.Autotuner.prune_configs
         if autotuner and configs:
-            autotuner.Autotuner.prune_configs = lambda self, *args, **kwargs: original(self, *args, **kwargs)[:configs]
-        note = "stock and patched call the same pruned kernels (this process only: not the probes')"
-        try:
-            yield {**settings, "autotune_configs_per_kernel": (configs or "all") if autotuner else "no triton",
-                   "autotune_note": note}
-        finally:
-            if autotuner:
-                autotuner.Autotuner.prune_configs = original
+            prune = autotuner.Autotuner.prune_configs
+            undo.enter_context(mock.patch.object(autotuner.Autotuner, "prune_configs",
+                                                 lambda self, *args, **kwargs: prune(self, *args, **kwargs)[:configs]))
+        yield {**settings, "autotune_configs_per_kernel": (configs or "all") if autotuner else "no triton",
+               "autotune_note": "stock and patched call the same pruned kernels (this process only: not the probes')"}
 
 
 def _shell(command: str) -> None:

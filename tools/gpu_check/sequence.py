@@ -5,6 +5,8 @@ initial state; keys reaching back before the slice), 1-token and empty documents
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
@@ -25,13 +27,9 @@ ATTENTION_LENGTHS, ATTENTION_WORLD = [300, 1, 900, 847, 1024, 1000, 24], 2
 SIMULATED_ATTENTION_LENGTHS = [3, 1, 9, 3, 8, 6, 2]
 
 
-def _randn(generator):
-    return lambda *shape: torch.randn(*shape, generator=generator)
-
-
 def _delta_rule_case(state_op, per_channel, lengths, device, width):
     generator = torch.Generator().manual_seed(0)
-    randn, tokens = _randn(generator), (ROWS, sum(lengths) // ROWS)
+    randn, tokens = partial(torch.randn, generator=generator), (ROWS, sum(lengths) // ROWS)
     q, k, v = randn(*tokens, 2, width), randn(*tokens, 2, width), randn(*tokens, 4, width)
     decay = F.logsigmoid(randn(*tokens, 4, *((width,) if per_channel else ())) + 3)
     beta, initial = torch.rand(*tokens, 4, generator=generator), randn(ROWS, 4, width, width) * 0.1
@@ -46,7 +44,7 @@ def _delta_rule_case(state_op, per_channel, lengths, device, width):
 
 def _mamba2_case(lengths, device, width):
     generator = torch.Generator().manual_seed(0)
-    randn, tokens = _randn(generator), (ROWS, sum(lengths) // ROWS)
+    randn, tokens = partial(torch.randn, generator=generator), (ROWS, sum(lengths) // ROWS)
     x, dt, A = randn(*tokens, 8, width), randn(*tokens, 8) * 0.5 - 2, -torch.rand(8, generator=generator) - 0.5
     B, C = randn(*tokens, 1, 2 * width), randn(*tokens, 1, 2 * width)
     D, dt_bias = torch.rand(8, generator=generator), torch.rand(8, generator=generator) * 0.1
@@ -65,7 +63,7 @@ def attention_case(lengths, device, width, kv_heads=2):
     local, cu = length // ATTENTION_WORLD, cu_of(lengths, "cpu")
     cu_q = scan.local_cu_seqlens(cu, ROWS, length, local * (ATTENTION_WORLD - 1), local)
     cu_k = scan.local_cu_seqlens(cu, ROWS, length, 0, length)
-    randn = _randn(torch.Generator().manual_seed(0))
+    randn = partial(torch.randn, generator=torch.Generator().manual_seed(0))
     q, k, v = randn(ROWS * local, 8, 2 * width), *(randn(ROWS * length, kv_heads, 2 * width) for _ in range(2))
 
     def call(inputs, backend):
