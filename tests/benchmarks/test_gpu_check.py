@@ -77,7 +77,7 @@ def test_a_spent_budget_skips_every_section_with_its_reason(tmp_path):
 
 def test_the_op_check_misses_by_far_when_boundaries_are_dropped():
     """The control of the exactness checks: one document where there are three is caught."""
-    make, _ = common.op_cases("cpu")["varlen_attention"]
+    make = common.op_cases("cpu")["varlen_attention"]
 
     def one_document(lengths, rows, dtype, layout=None):
         tensors, dims, call = make(lengths, rows, dtype, layout)
@@ -90,7 +90,7 @@ def test_the_op_check_misses_by_far_when_boundaries_are_dropped():
 
 
 def _refusing_fla(monkeypatch):
-    """fla 0.5.2 installed, as compilepack sees it: below its floor, refused for the delta rule."""
+    """fla 0.5.2 installed, as compilepack sees it: below its floor, refused for both delta rules."""
     real_installed, real_version = backends.is_installed, backends.installed_version
     monkeypatch.setattr(backends, "is_installed", lambda name: name == "fla" or real_installed(name))
     monkeypatch.setattr(backends, "installed_version", lambda name: "0.5.2" if name == "fla" else real_version(name))
@@ -98,19 +98,20 @@ def _refusing_fla(monkeypatch):
 
 def test_a_refused_backend_is_recorded_and_never_run(monkeypatch):
     _refusing_fla(monkeypatch)
+    gdn, kda = "gated_delta_rule_varlen", "kimi_delta_attention_varlen"
     admitted, refused = common.admitted_backends()
-    assert admitted["delta_rule"] == []
-    assert list(refused) == ["delta_rule:fla"] and "fla-core 0.5.2 is installed" in refused["delta_rule:fla"]
+    assert admitted[gdn] == admitted[kda] == []
+    assert list(refused) == [f"{gdn}:fla", f"{kda}:fla"] and "fla-core 0.5.2 is installed" in refused[f"{gdn}:fla"]
     ctx = common.Context(common.torch.device("cpu"), common.torch.float32, True, common.Budget(60), "eager",
                          ["llama"], admitted, refused)
-    assert ctx.chosen()["delta_rule"] == "reference" and ctx.paths("delta_rule") == ["reference"]
+    assert ctx.chosen()[gdn] == "reference" and ctx.paths(gdn) == ["reference"]
     paths, passed_over = ops.kernel_paths(ctx)
-    assert ("gated_delta_rule_varlen", "reference") in paths and all(b != "fla" for _, b in paths)
-    assert list(passed_over) == ["delta_rule:fla"]
+    assert (gdn, "reference") in paths and all(b != "fla" for _, b in paths)
+    assert list(passed_over) == [f"{gdn}:fla", f"{kda}:fla"]
     assert "refused" in common.auto_outcome() or common.auto_outcome().get("warnings")  # today's or the skip's
 
 
-def test_a_library_refused_for_every_kind_is_hidden_from_stock_imports_only(monkeypatch):
+def test_a_library_refused_for_an_op_is_hidden_from_stock_imports_only(monkeypatch):
     seen = []
     real = common.transformers.AutoModelForCausalLM.from_config
 
@@ -123,11 +124,12 @@ def test_a_library_refused_for_every_kind_is_hidden_from_stock_imports_only(monk
 
     monkeypatch.setattr(common.transformers.AutoModelForCausalLM, "from_config", from_config)
     monkeypatch.setitem(sys.modules, "fla", "the module")  # as if imported: put back after
-    hidden = common.hide_from_stock({"attention": [], "delta_rule": []},
-                                    {"delta_rule:fla": "refused", "attention:torch_varlen": "refused"}, ["llama"])
+    # refused for the gated delta rule only (fla #640), admitted for KDA: stock Qwen3.5 would still bind it
+    hidden = common.hide_from_stock({"gated_delta_rule_varlen:fla": "refused", "varlen_attention:torch_varlen":
+                                     "refused"}, ["llama"])
     assert list(hidden) == ["fla"] and len(seen) == 1  # torch itself is never hidden
     assert sys.modules["fla"] == "the module"
-    assert common.hide_from_stock({"delta_rule": ["fla"]}, {"delta_rule:fla": "refused"}, []) == {}
+    assert common.hide_from_stock({}, []) == {}
 
 
 def test_the_caches_pack_into_parts_and_unpack(tmp_path):

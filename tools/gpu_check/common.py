@@ -62,8 +62,8 @@ class Budget:
 
 @dataclasses.dataclass
 class Context:
-    """One run's settings and what this machine admits (``admitted``: op kind -> its kernel backends compilepack
-    accepts here, best first; ``refused``: "kind:backend" -> compilepack's message)."""
+    """One run's settings and what this machine admits (``admitted``: op -> its kernel backends compilepack accepts
+    here, best first; ``refused``: "op:backend" -> compilepack's message)."""
 
     device: torch.device
     dtype: torch.dtype
@@ -79,48 +79,47 @@ class Context:
         return self.device.type == "cuda"
 
     def chosen(self) -> dict[str, str]:
-        """Per op kind the best admitted backend (the reference where none is): what the families patch with."""
-        return {kind: (names or [backends.REFERENCE])[0] for kind, names in self.admitted.items()}
+        """Per op the best admitted backend (the reference where none is): what the families patch with."""
+        return {op: (names or [backends.REFERENCE])[0] for op, names in self.admitted.items()}
 
-    def paths(self, kind: str) -> list[str]:
-        """The backends a kernel section runs for ``kind``: every admitted kernel, or (simulated, or none admitted)
+    def paths(self, op: str) -> list[str]:
+        """The backends a kernel section runs for ``op``: every admitted kernel, or (simulated, or none admitted)
         the reference, so the section's plumbing still runs; on CPU a kernel name runs its reference anyway."""
-        return self.admitted[kind] or [backends.REFERENCE]
+        return self.admitted[op] or [backends.REFERENCE]
 
-    def refusals(self, kind: str) -> dict[str, str]:
-        return {key: message for key, message in self.refused.items() if key.startswith(f"{kind}:")}
+    def refusals(self, op: str) -> dict[str, str]:
+        return {key: message for key, message in self.refused.items() if key.startswith(f"{op}:")}
 
 
 def admitted_backends() -> tuple[dict[str, list[str]], dict[str, str]]:
-    """Per op kind the installed kernel backends compilepack admits on this machine, and each refusal with its
-    message. Asked through the public ``resolve`` one kind at a time (every other kind on the reference), so that a
-    refusal of one kind never hides another's backends."""
+    """Per op with a kernel the installed backends compilepack admits on this machine, and each refusal with its
+    message. Asked through the public ``resolve`` one op at a time, so that a refusal for one op never hides
+    another's backends (fla #640 refuses the gated delta rule, not KDA)."""
     admitted, refused = {}, {}
-    for kind in backends.kinds():
-        admitted[kind] = []
-        ops = backends.ops_of_kind(kind)
-        for name in backends.candidates(ops[0]):
-            if name == backends.REFERENCE or not backends.is_installed(name):
+    for op in (op for op in backends.OPS if len(backends.candidates(op)) > 1):
+        admitted[op] = []
+        for name in backends.candidates(op)[:-1]:  # the kernels, the reference last
+            if not backends.is_installed(name):
                 continue
-            ask = dict.fromkeys(backends.OPS, backends.REFERENCE) | dict.fromkeys(ops, name)
             try:
-                backends.resolve(ask)
+                backends.resolve({op: name}, ops=(op,))
             except (compilepack.KernelVersionError, ValueError) as refusal:
-                refused[f"{kind}:{name}"] = str(refusal)
+                refused[f"{op}:{name}"] = str(refusal)
                 continue
-            admitted[kind].append(name)
+            admitted[op].append(name)
     return admitted, refused
 
 
-def hide_from_stock(admitted, refused, families) -> dict[str, str]:
-    """Import the families' transformers modules while each library compilepack refuses for every kind it serves
-    cannot be imported: stock binds its kernels at import (why: docs/benchmarks.md, "Refusals"). The library is
-    importable again after (compilepack's own answers unchanged)."""
+def hide_from_stock(refused, families) -> dict[str, str]:
+    """Import the families' transformers modules while each library compilepack refuses for some op it serves
+    cannot be imported: stock binds its kernels at import (why: docs/benchmarks.md, "Refusals"), and fla refused
+    for the gated delta rule would be bound by stock Qwen3.5 even where KDA admits it. The library is importable
+    again after (compilepack's own answers unchanged)."""
     hidden = {}
     for key in refused:
-        kind, name = key.split(":")
-        if name != "torch_varlen" and not any(name in names for names in admitted.values()):  # torch stays
-            hidden[name] = f"refused for {kind!r}: hidden from stock transformers' imports"
+        op, name = key.split(":")
+        if name != "torch_varlen":  # torch stays
+            hidden[name] = f"refused for {op!r}: hidden from stock transformers' imports"
     before = {name: sys.modules.pop(name, None) for name in hidden}
     sys.modules.update(dict.fromkeys(hidden))  # None: `import fla` raises ImportError
     try:
@@ -160,7 +159,7 @@ def seq_idx_of(lengths, device, rows=1):
 
 
 def op_cases(device, head_dim=64):
-    """op name -> (make, op kind). ``make(lengths, rows, dtype, layout)`` returns the op's differentiable inputs, the
+    """op name -> make. ``make(lengths, rows, dtype, layout)`` returns the op's differentiable inputs, the
     dimension of each that runs over tokens (None: a parameter) and ``call(inputs, lengths, rows, backend)``."""
     gen = torch.Generator(device="cpu").manual_seed(0)
     randn = functools.partial(torch.randn, generator=gen)
@@ -223,10 +222,10 @@ def op_cases(device, head_dim=64):
 
         return tensors, [1, 1, None, 1, 1, None, None], call
 
-    return {"varlen_attention": (attention, "attention"), "causal_conv1d_varlen": (conv, "conv"),
-            "gated_delta_rule_varlen": (delta_rule(gated_delta_rule_varlen, False), "delta_rule"),
-            "kimi_delta_attention_varlen": (delta_rule(kimi_delta_attention_varlen, True), "delta_rule"),
-            "mamba2_chunk_scan_varlen": (ssd, "ssd")}
+    return {"varlen_attention": attention, "causal_conv1d_varlen": conv,
+            "gated_delta_rule_varlen": delta_rule(gated_delta_rule_varlen, False),
+            "kimi_delta_attention_varlen": delta_rule(kimi_delta_attention_varlen, True),
+            "mamba2_chunk_scan_varlen": ssd}
 
 
 def run_op(call, tensors, backend, dtype=None):

@@ -38,21 +38,21 @@ def check_op(name, make, backend, dtype, lengths):
 
 
 def check_ops(ctx: Context):
-    """Every op on its kind's best admitted backend (the reference where none is: its first run on this device)."""
+    """Every op on its best admitted backend (the reference where none is: its first run on this device)."""
     lengths = SIMULATED_OP_LENGTHS if ctx.simulate else OP_LENGTHS
     chosen = ctx.chosen()
-    return [guarded({"op": name, "backend": chosen[kind]},
-                    lambda n=name, m=make, k=kind: check_op(n, m, chosen[k], ctx.dtype, lengths))
-            for name, (make, kind) in op_cases(ctx.device).items()]
+    return [guarded({"op": name, "backend": chosen[name]},
+                    lambda n=name, m=make: check_op(n, m, chosen[n], ctx.dtype, lengths))
+            for name, make in op_cases(ctx.device).items()]
 
 
 def kernel_paths(ctx: Context) -> tuple[list[tuple[str, str]], dict[str, str]]:
     """(op, backend) for every admitted kernel (simulated: the references), and the refusals passed over."""
     paths, refused = [], {}
-    for op, (_, kind) in op_cases(ctx.device).items():
-        refused.update(ctx.refusals(kind))
-        if ctx.admitted[kind] or not ctx.cuda:
-            paths += [(op, backend) for backend in ctx.paths(kind)]
+    for op in op_cases(ctx.device):
+        refused.update(ctx.refusals(op))
+        if ctx.admitted[op] or not ctx.cuda:
+            paths += [(op, backend) for backend in ctx.paths(op)]
     return paths, refused
 
 
@@ -72,7 +72,7 @@ def check_layouts(ctx: Context):
     for op, backend in paths:
         for layout in list(SIMULATED_LAYOUTS)[:2] if ctx.simulate else LAYOUTS:
             results.append(guarded({"op": op, "backend": backend, "layout": layout}, lambda o=op, b=backend, la=layout:
-                                   check_layout(o, b, la, cases[o][0], ctx.dtype, ctx.simulate)))
+                                   check_layout(o, b, la, cases[o], ctx.dtype, ctx.simulate)))
     return results
 
 
@@ -117,8 +117,8 @@ def _library_call(backend, cuda):
 def check_known_bugs(ctx: Context):
     """The reported bugs whose failure on the library alone is host-side or a wrong value, run in this process, on
     each admitted attention library (conv #117 and fla #892 need libraries the lent image lacks or refuses)."""
-    results = [{"refused": key, "message": message} for key, message in ctx.refusals("attention").items()]
-    for backend in ctx.admitted["attention"] or ([] if ctx.cuda else [backends.REFERENCE]):
+    results = [{"refused": key, "message": message} for key, message in ctx.refusals("varlen_attention").items()]
+    for backend in ctx.admitted["varlen_attention"] or ([] if ctx.cuda else [backends.REFERENCE]):
         results.append(guarded({"bug": "flash-attn #1537", "backend": backend},
                                lambda b=backend: _attention_bug(ctx.device, ctx.dtype, b, _library_call(b, ctx.cuda))))
     return results or [{"skipped": "no admitted attention library"}]
@@ -178,7 +178,7 @@ def check_recompiles(ctx: Context):
     paths = [(op, b) for op, b in paths if b in ("fla", "mamba_ssm") or not ctx.cuda]
     results = {"refused": refused} if refused else {}
     for op, backend in paths:
-        def stream(seed, count, make=cases[op][0], b=backend):
+        def stream(seed, count, make=cases[op], b=backend):
             for lengths, rows in varied_batches(seed, count, 30 if ctx.simulate else 700):
                 tensors, _, call = make(lengths, rows, ctx.dtype)
                 run_op(lambda x, b, c=call, ls=lengths, r=rows: c(x, ls, r, b), tensors, b)

@@ -37,20 +37,20 @@ def hopper_probes(device, dtype, simulate) -> dict:
     result = {"fla_guard": bypass_fla_640(), "torch": torch.__version__}
     fla = backends.REFERENCE if simulate or not backends.is_installed("fla") else "fla"
     for head_dim in (64, 128):
-        make = op_cases(device, head_dim)["gated_delta_rule_varlen"][0]
+        make = op_cases(device, head_dim)["gated_delta_rule_varlen"]
         result[f"gdn_head_dim_{head_dim}"] = guarded({}, lambda m=make: check_layout(
             "gated_delta_rule_varlen", fla, "chunk-size-pm-1", m, dtype, simulate))
-    make = op_cases(device)["kimi_delta_attention_varlen"][0]
+    make = op_cases(device)["kimi_delta_attention_varlen"]
     result["kda_padding_document"] = guarded({}, lambda: check_layout(
         "kimi_delta_attention_varlen", fla, "padding-document", make, dtype, simulate))
     admitted, refused = admitted_backends()
-    if simulate or "torch_varlen" in admitted["attention"]:
+    if simulate or "torch_varlen" in admitted["varlen_attention"]:
         backend = backends.REFERENCE if simulate else "torch_varlen"
         lengths = SIMULATED_ATTENTION_LENGTHS if simulate else ATTENTION_LENGTHS
         result["gathered_keys_equal_heads"] = guarded({}, lambda: against_reference(
             *attention_case(lengths, device, 8 if simulate else 64, kv_heads=8), backend, dtype))
     else:
-        result["gathered_keys_equal_heads"] = {"refused": refused.get("attention:torch_varlen", "not installed")}
+        result["gathered_keys_equal_heads"] = {"refused": refused.get("varlen_attention:torch_varlen", "not installed")}
     return result
 
 

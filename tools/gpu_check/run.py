@@ -157,7 +157,7 @@ def main(argv=None, started=None) -> int:
         unpacked = unpack_caches(Path(args.cache_from), folder) if args.cache_from else {}
         admitted, refused = admitted_backends()
         names = [f.name for f in compilepack.families()] if args.families == "all" else args.families.split(",")
-        hidden = {} if args.simulate else hide_from_stock(admitted, refused, names)
+        hidden = {} if args.simulate else hide_from_stock(refused, names)
         budget = Budget(args.budget_s - (time.perf_counter() - started))
         ctx = Context(device, dtype, args.simulate, budget, args.compile_backend, names, admitted, refused)
         report = {"environment": environment(ctx, hidden), "caches": {**cache_settings, "unpacked": unpacked},

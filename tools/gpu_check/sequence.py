@@ -74,26 +74,28 @@ def attention_case(lengths, device, width, kv_heads=2):
 
 
 def check_sequence_ops(ctx):
-    """Every sequence-mode op on each admitted kernel library of its kind (refusals recorded, not run; simulated:
+    """Every sequence-mode op on each kernel library admitted for its op (refusals recorded, not run; simulated:
     the references, so the plumbing runs)."""
     lengths = SIMULATED_SLICE_LENGTHS if ctx.simulate else SLICE_LENGTHS
     attention_lengths = SIMULATED_ATTENTION_LENGTHS if ctx.simulate else ATTENTION_LENGTHS
     width = 8 if ctx.simulate else 64  # head width (K = V for the delta rules, P for Mamba2; twice it for attention)
     cases = {
-        "gated_delta_rule_varlen_state": ("delta_rule", lambda: _delta_rule_case(
+        "gated_delta_rule_varlen_state": ("gated_delta_rule_varlen", lambda: _delta_rule_case(
             gated_delta_rule_varlen_state, False, lengths, ctx.device, width)),
-        "kimi_delta_attention_varlen_state": ("delta_rule", lambda: _delta_rule_case(
+        "kimi_delta_attention_varlen_state": ("kimi_delta_attention_varlen", lambda: _delta_rule_case(
             kimi_delta_attention_varlen_state, True, lengths, ctx.device, width)),
-        "mamba2_chunk_scan_varlen_state": ("ssd", lambda: _mamba2_case(lengths, ctx.device, width)),
-        "varlen_attention_kv": ("attention", lambda: attention_case(attention_lengths, ctx.device, width)),
+        "mamba2_chunk_scan_varlen_state": ("mamba2_chunk_scan_varlen", lambda: _mamba2_case(
+            lengths, ctx.device, width)),
+        "varlen_attention_kv": ("varlen_attention", lambda: attention_case(attention_lengths, ctx.device, width)),
     }
     results = []
-    for name, (kind, make) in cases.items():
-        results += [{"op": name, "refused": key, "message": message} for key, message in ctx.refusals(kind).items()]
-        if ctx.cuda and not ctx.admitted[kind]:
-            results.append({"op": name, "skipped": f"no admitted kernel for {kind!r} on this machine"})
+    for name, (chosen_as, make) in cases.items():  # each state op takes its op's backend
+        results += [{"op": name, "refused": key, "message": message}
+                    for key, message in ctx.refusals(chosen_as).items()]
+        if ctx.cuda and not ctx.admitted[chosen_as]:
+            results.append({"op": name, "skipped": f"no admitted kernel for {chosen_as!r} on this machine"})
             continue
-        for backend in ctx.paths(kind):
+        for backend in ctx.paths(chosen_as):
             results.append(guarded({"op": name, "backend": backend}, lambda n=name, m=make, b=backend: {
                 "op": n, **against_reference(*m(), b, ctx.dtype)}))
     return results
