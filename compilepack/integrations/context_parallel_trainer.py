@@ -41,6 +41,11 @@ size``, ``dp = W / size``, ``mesh_dim_names=("dp", "cp")``; the hybrid mode spli
 - ``torch_compile=True`` compiles the patched model as the compile recipe says (``fullgraph=True, dynamic=True``),
   inside DDP / FSDP, one graph per rank.
 
+TRL's ``DPOTrainer`` and ``GRPOTrainer`` collate padded batches, so they run context-parallel only with their
+log-prob passes packed: ``packed_logprobs(context_parallel(DPOTrainer, size=2))`` (either order). The batches then
+reach the model unsharded, each pass packs and shards its own row (:mod:`compilepack.integrations.rl_trainers`), and
+the reference model is patched with the same group; ``context_parallel(DPOTrainer)`` alone is refused, naming that.
+
 accelerate's and transformers' own ``cp_size`` / ``sp_size`` (``ParallelismConfig``, DeepSpeed Ulysses) are refused:
 they would split the tokens but not the boundaries, or run a second context parallelism beside this one.
 """
@@ -165,6 +170,7 @@ class ContextParallelTrainerMixin:
     context_parallel_balance: Balance | None = None
 
     def __init__(self, *args, **kwargs):
+        _refuse_padded_log_prob_trainers(type(self))
         _refuse_other_sequence_parallelism(kwargs.get("args"), "the training arguments' parallelism_config")
         super().__init__(*args, **kwargs)
         _refuse_other_sequence_parallelism(self.accelerator, "accelerate's configuration")
@@ -173,6 +179,11 @@ class ContextParallelTrainerMixin:
         # the one ContextParallel object of this rank: the patched model and every shard hold it (checked by identity)
         self.context_parallel_group = layout.group(self.context_parallel_mesh)
         patch(self.model, context_parallel=self.context_parallel_group)
+        reference = getattr(self, "ref_model", None)  # DPO's and GRPO's: its passes are sharded alike
+        if _shards_inside_passes(self) and isinstance(reference, torch.nn.Module):
+            patch(getattr(reference, "_orig_mod", reference), context_parallel=self.context_parallel_group)
+        if _generates(self):
+            self._seed_the_group_alike()
         if self.args.torch_compile:
             self._compile_the_patched_model()
 
@@ -188,6 +199,15 @@ class ContextParallelTrainerMixin:
             options["mode"] = self.args.torch_compile_mode
         self.model = self.model_wrapped = torch.compile(self.model, fullgraph=True, dynamic=True, **options)
         self.accelerator.state.dynamo_plugin.backend = DynamoBackend.NO
+
+    def _seed_the_group_alike(self) -> None:
+        """GRPO seeds every process apart so that they sample different completions (``set_seed(seed,
+        device_specific=True)``: seed + process index). The ranks of a context-parallel group score one batch, so
+        they must sample the same completions: each rank is seeded with its data-parallel index instead, as that
+        process of a run without context parallelism would be."""
+        from accelerate.utils import set_seed
+
+        set_seed(self.args.seed + self._dp[1])
 
     # ------------------------------------------------------------------------------------------ sizes
 
@@ -247,6 +267,8 @@ class ContextParallelTrainerMixin:
         targets (``num_items_in_batch``) and before the forward, in training and evaluation alike: here it cuts
         this rank's slice, on the host (the boundaries are host data), and moves the slice's tokens to the device,
         the boundaries staying on the host."""
+        if _shards_inside_passes(self):
+            return contextlib.nullcontext, inputs
         host = {key: value.cpu() if isinstance(value, torch.Tensor) else value for key, value in inputs.items()}
         shard = shard_batch(host, self.context_parallel_group, pad_token_id=_pad_token_id(self))
         shard.pop(NUM_ITEMS_IN_BATCH, None)  # the trainer passes its own count, over every rank's batch
@@ -256,6 +278,8 @@ class ContextParallelTrainerMixin:
         """HF Trainer's evaluation step for every trainer class (TRL's own skips the context-parallel hook): the
         global batch's targets counted over every rank, this rank's slice, the loss with that count (as in
         training, so the evaluation loop's mean over the ranks is one process's loss)."""
+        if _shards_inside_passes(self):  # the trainer's own evaluation, its passes sharded
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         inputs = self._prepare_inputs(inputs)
         if inputs.get(LABELS) is None:
             raise ContextParallelError(
@@ -289,6 +313,38 @@ def _mesh(layout: Layout, device: torch.device):
     ulysses = layout.ulysses_size
     return init_device_mesh(device.type, (world // size, size // ulysses, ulysses),
                             mesh_dim_names=("dp", "sequence", "ulysses"))
+
+
+def _generates(trainer) -> bool:
+    """GRPO-style trainers, which sample their completions (TRL's GRPOTrainer seam)."""
+    return hasattr(trainer, "_get_per_token_logps_and_entropies")
+
+
+def _shards_inside_passes(trainer) -> bool:
+    """packed_logprobs' mixin says so (in either order of the two factories): the batches stay as collated, each
+    log-prob pass shards its own packed row."""
+    return getattr(trainer, "shards_inside_passes", False)
+
+
+def _refuse_padded_log_prob_trainers(trainer_class: type) -> None:
+    """TRL's DPO and GRPO trainers collate padded batches, which shard_batch cannot cut: refused unless their
+    log-prob passes are packed (and shard themselves)."""
+    if _shards_inside_passes(trainer_class):
+        if trainer_class.context_parallel_balance is not None:
+            raise ContextParallelError(
+                f"{trainer_class.__name__}: context_parallel(..., balance=...) deals SFT documents (their input_ids) "
+                "to the data-parallel ranks by cost; DPO's pairs and GRPO's prompt groups are drawn by the trainer's "
+                "own sampler. Leave balance out.")
+        return
+    from .rl_trainers import scores_padded_batches
+
+    if scores_padded_batches(trainer_class):
+        # the class given to context_parallel(), as the user named it
+        given = trainer_class.__bases__[-1] if ContextParallelTrainerMixin in trainer_class.__bases__ else trainer_class
+        raise ContextParallelError(
+            f"context_parallel({given.__name__}): TRL's DPO and GRPO trainers collate padded batches, which context "
+            "parallelism cannot split; pack their log-prob passes as well: "
+            f"packed_logprobs(context_parallel({given.__name__}, size=...)) (compilepack.integrations).")
 
 
 def _refuse_other_sequence_parallelism(holder, where: str) -> None:
