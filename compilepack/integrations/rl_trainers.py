@@ -130,8 +130,7 @@ class PackedLogProbsMixin:
                 _patched(kwargs[key])
         if args and isinstance(args[0], torch.nn.Module):
             _patched(args[0])
-        if getattr(kwargs.get("args"), "padding_free", False):
-            kwargs["args"] = _padding_left_to_the_passes(kwargs["args"])
+        args, kwargs = _padding_left_to_the_passes(args, kwargs)
         super().__init__(*args, **kwargs)
         _refuse_prompt_learning(self.model)
         for model in (self.model, getattr(self, "ref_model", None)):
@@ -168,14 +167,23 @@ class PackedLogProbsMixin:
             return super()._compute_loss(self._packed(model), inputs, *args, **kwargs)
 
 
-def _padding_left_to_the_passes(args):
-    """``padding_free=True``: the request to pack, which the passes do, exact for hybrids. TRL's collator is kept
-    padding (TRL 1.16's DPO falls back to padding anyway, with a warning that it does not pack): a collator that
-    packed would leave only ``position_ids`` to find the sequences by, which compilepack never reads boundaries
-    from. A copy: the caller's arguments are left as given."""
-    args = copy.copy(args)
-    args.padding_free = False
-    return args
+# where DPOTrainer and GRPOTrainer take their training arguments positionally: (model, ref_model | reward_funcs, args)
+ARGS_POSITION = 2
+
+
+def _padding_left_to_the_passes(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The trainer's arguments with ``padding_free=True`` taken as the request to pack, which the passes do, exact
+    for hybrids: TRL's collator is kept padding (TRL 1.16's DPO falls back to padding anyway, warning that it does
+    not pack), since a collator that packed would leave only ``position_ids`` to find the sequences by, which
+    compilepack never reads boundaries from. The caller's configuration object is left as given (a copy)."""
+    config = kwargs.get("args", args[ARGS_POSITION] if len(args) > ARGS_POSITION else None)
+    if not getattr(config, "padding_free", False):
+        return args, kwargs
+    config = copy.copy(config)
+    config.padding_free = False
+    if "args" in kwargs:
+        return args, {**kwargs, "args": config}
+    return (*args[:ARGS_POSITION], config, *args[ARGS_POSITION + 1:]), kwargs
 
 
 def _pad_token_id(trainer) -> int:
