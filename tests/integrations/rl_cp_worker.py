@@ -11,7 +11,8 @@ Cases (``case:family[:option]``):
   and the gradient of a weighted sum of the log-probs, the ranks' gradients averaged as DDP does; the control: the
   packed row sharded as one sequence (its boundaries dropped). Option: the mode (``sequence``; Ulysses otherwise).
 - ``dpo``: ``packed_logprobs(context_parallel(DPOTrainer, size=2))`` trained ``STEPS`` SGD steps (option
-  ``reverse``: the factories the other way round), and its evaluation loss before training.
+  ``reverse``: the factories the other way round; ``lora``: a LoRA policy, its reference the adapter-disabled
+  policy), and its evaluation loss after training.
 - ``grpo``: ``packed_logprobs(context_parallel(GRPOTrainer, size=2))``, generation included, KL to the reference.
 
 Rank 0 writes ``OUT/<case>.pt``; the trainer cases' single-process references are the same builders with ``cp=None``,
@@ -59,23 +60,30 @@ def trainer_class(base, cp: int | None, order: str = "packed-outside"):
     return recording(packed_logprobs(context_parallel(base, size=cp)))
 
 
-def dpo_trainer(family_name: str, out: Path, *, cp: int | None, order: str = "packed-outside", **overrides):
-    """DPO on a tiny model and its reference (another initialisation), 3 pairs a step."""
+def dpo_trainer(family_name: str, out: Path, *, cp: int | None, option: str = "packed-outside"):
+    """DPO on a tiny model, 3 pairs a step; its reference another initialisation, or (``option="lora"``) the
+    adapter-disabled policy (adapters initialised non-zero: the two differ from the first step)."""
+    from peft import LoraConfig
     from trl import DPOConfig, DPOTrainer
 
     from compilepack.patching import family_named
     from tests.families import build_tiny
-    from tests.integrations.test_dpo import pairs
+    from tests.integrations.test_dpo import LORA, pairs
     from tests.integrations.test_trl import word_tokenizer
 
     torch.manual_seed(0)
     model = build_tiny(family_named(family_name))
     torch.manual_seed(1)
-    ref_model = build_tiny(family_named(family_name))
+    lora = option == "lora"
+    ref_model = None if lora else build_tiny(family_named(family_name))
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=LORA[family_name], init_lora_weights=False)
     vocab = model.config.vocab_size
-    args = arguments(DPOConfig, out, 3, max_length=None, per_device_eval_batch_size=3, **overrides)
-    return trainer_class(DPOTrainer, cp, order)(
-        model=model, ref_model=ref_model, args=args, train_dataset=pairs(vocab), processing_class=word_tokenizer(vocab))
+    # the evaluation set in whole batches: accelerate's gather_for_metrics drops a partial last batch's
+    # "duplicates", which the ranks of a context-parallel group are not
+    args = arguments(DPOConfig, out, 3, max_length=None, per_device_eval_batch_size=3)
+    return trainer_class(DPOTrainer, cp, option)(
+        model=model, ref_model=ref_model, args=args, train_dataset=pairs(vocab), processing_class=word_tokenizer(vocab),
+        peft_config=peft_config if lora else None)
 
 
 def grpo_trainer(family_name: str, out: Path, *, cp: int | None):
@@ -184,10 +192,18 @@ def _boundaries_dropped():
         rl_trainers._packed_inputs = pack
 
 
-def dpo(family_name: str, out: Path, order: str = "packed-outside") -> dict:
-    trainer = dpo_trainer(family_name, out / f"dpo-{family_name}-{order}", cp=2, order=order)
-    eval_loss = trainer.evaluate(eval_dataset=trainer.train_dataset)["eval_loss"]
+def dpo(family_name: str, out: Path, option: str = "packed-outside") -> dict:
+    trainer = dpo_trainer(family_name, out / f"dpo-{family_name}-{option}", cp=2, option=option)
+    return trained_and_evaluated(trainer)
+
+
+def trained_and_evaluated(trainer) -> dict:
+    """Losses and weights of the run, and the evaluation loss after it. (Evaluated before training, a PEFT policy
+    would train outside DDP: transformers 5.25's evaluation keeps accelerate's evaluation-mode model as
+    ``model_wrapped``, which train() then takes as already wrapped; measured, each rank then stepped on its own
+    gradient.)"""
     trainer.train()
+    eval_loss = trainer.evaluate(eval_dataset=trainer.train_dataset)["eval_loss"]
     return {"losses": losses(trainer), "weights": weights(trainer.model), "eval_loss": eval_loss}
 
 

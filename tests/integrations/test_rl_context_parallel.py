@@ -38,7 +38,7 @@ MIXED = 1e-2
 LOSS_TOLERANCE, WEIGHT_TOLERANCE = 1e-5, 1e-5
 
 CALLS = ["call:llama", "call:qwen3_5", "call:bamba:sequence"]
-TRAINERS = ["dpo:llama", "dpo:qwen3_5:reverse", "grpo:llama", "grpo:qwen3_5"]
+TRAINERS = ["dpo:llama", "dpo:qwen3_5:reverse", "dpo:llama:lora", "grpo:llama", "grpo:qwen3_5"]
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 
@@ -59,17 +59,15 @@ def launched(tmp_path_factory) -> dict:
 @functools.cache
 def one_process(case: str, path: str) -> dict:
     """The same trainer, packed, without context parallelism, on one process."""
-    kind, family_name, *_ = case.split(":")
-    out = Path(path) / f"one-process-{kind}-{family_name}"
+    kind, family_name, *option = case.split(":")
+    out = Path(path) / f"one-process-{kind}-{family_name}-{'-'.join(option)}"
     if kind == "grpo":
         trainer = worker.grpo_trainer(family_name, out, cp=None)
         trainer.train()
         return {"losses": worker.losses(trainer), "weights": worker.weights(trainer.model),
                 "completion_lengths": worker.completion_lengths(trainer)}
-    trainer = worker.dpo_trainer(family_name, out, cp=None)
-    eval_loss = trainer.evaluate(eval_dataset=trainer.train_dataset)["eval_loss"]
-    trainer.train()
-    return {"losses": worker.losses(trainer), "weights": worker.weights(trainer.model), "eval_loss": eval_loss}
+    return worker.trained_and_evaluated(
+        worker.dpo_trainer(family_name, out, cp=None, option=(option or ["packed-outside"])[0]))
 
 
 def relative_loss_error(got: list[float], want: list[float]) -> float:
@@ -94,8 +92,9 @@ def test_a_sharded_packed_call_equals_the_unsharded_one_and_the_control_misses(l
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case", TRAINERS)
 def test_context_parallel_dpo_and_grpo_train_as_one_process(launched, case, tmp_path_factory):
-    """DPO (full fine-tuning, a separate reference model, both sharded) and GRPO (generation on every rank of the
-    group, seeded alike; the reference TRL loads, KL 0.1): every step's loss and the final weights."""
+    """DPO (full fine-tuning, a separate reference model, both sharded; LoRA, the reference the adapter-disabled
+    policy) and GRPO (generation on every rank of the group, seeded alike; the reference TRL loads, KL 0.1): every
+    step's loss and the final weights."""
     got, want = launched[case], one_process(case, str(tmp_path_factory.getbasetemp()))
     assert relative_loss_error(got["losses"], want["losses"]) <= LOSS_TOLERANCE, (got["losses"], want["losses"])
     assert weight_error(got["weights"], want["weights"]) <= WEIGHT_TOLERANCE
