@@ -28,13 +28,13 @@ from tests.integrations import rl_cp_worker as worker  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 # fp32. Log-probs and entropies absolute (values ~5), gradients relative to the largest; measured: log-probs and
-# entropies 0 (Ulysses: each token's head runs on its rank as it does alone) to 9.5e-7 (sequence mode), gradients
-# 2.0e-7 to 2.9e-7.
+# entropies 0 (Ulysses: each token's LM head runs on its rank as it does alone) to 4.8e-7 (Bamba, sequence mode),
+# gradients 2.0e-7 to 2.9e-7.
 LOG_PROB_TOLERANCE, GRADIENT_TOLERANCE = 1e-5, 1e-5
 # the control (boundaries dropped) must miss the log-probs by more than this (measured 0.086 to 0.16)
 MIXED = 1e-2
 # losses relative, every step; weights relative to the largest weight after 2 SGD steps at learning rate 0.5.
-# Measured: losses <= 2.0e-7, weights <= 1.4e-6 (DPO), 2.6e-8 (GRPO).
+# Measured: losses <= 2.1e-7, DPO's evaluation loss <= 1.1e-6, weights <= 1.4e-6 (DPO), 2.6e-8 (GRPO).
 LOSS_TOLERANCE, WEIGHT_TOLERANCE = 1e-5, 1e-5
 
 CALLS = ["call:llama", "call:qwen3_5", "call:bamba:sequence"]
