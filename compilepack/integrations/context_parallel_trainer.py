@@ -252,6 +252,12 @@ class ContextParallelTrainerMixin:
             attention_length=attention_length, drop_last=self.args.dataloader_drop_last,
         )
 
+    def _get_train_sampler(self, *args, **kwargs):
+        """GRPO's sampler, its generation batches sized for the data-parallel ranks (see :func:`_per_replica`)."""
+        sampler = super()._get_train_sampler(*args, **kwargs)
+        repeats = hasattr(sampler, "mini_repeat_count")  # TRL's RepeatSampler: GRPO's generation batches
+        return _per_replica(sampler, self) if repeats else sampler
+
     def get_train_dataloader(self):
         if self.context_parallel_balance is None:
             return _shard_over_data_parallel_ranks(super().get_train_dataloader(), *self._dp)
@@ -316,8 +322,8 @@ def _mesh(layout: Layout, device: torch.device):
 
 
 def _generates(trainer) -> bool:
-    """GRPO-style trainers, which sample their completions (TRL's GRPOTrainer seam)."""
-    return hasattr(trainer, "_get_per_token_logps_and_entropies")
+    """GRPO-style trainers, which sample groups of completions (TRL's ``num_generations``)."""
+    return hasattr(trainer, "num_generations")
 
 
 def _shards_inside_passes(trainer) -> bool:
@@ -364,6 +370,26 @@ def _refuse_other_sequence_parallelism(holder, where: str) -> None:
                 "parallelism replaces it: remove the parallelism_config's cp_size / sp_size and use "
                 "compilepack.integrations.context_parallel(TrainerClass, size=...) (docs/context-parallel.md)."
             )
+
+
+def _per_replica(sampler, trainer):
+    """GRPO's ``RepeatSampler`` with its generation batch sized for the data-parallel ranks.
+
+    TRL sizes a generation batch over every process (``generation_batch_size = per_device_train_batch_size x
+    processes x steps_per_generation``) and repeats it ``num_iterations x steps_per_generation`` times, each process
+    taking its slice of every repeat. The ranks of a context-parallel group draw the same batches (one data-parallel
+    replica), so the batch the sampler repeats must be ``size`` times smaller: else a replica would take the first
+    slices of each repeat again and never the others (measured: the prompts of the skipped slices never trained)."""
+    size = trainer.context_parallel_size
+    prompts = sampler.batch_size  # prompts per generation batch, over every process
+    if prompts % size:
+        raise ContextParallelError(
+            f"context_parallel(size={size}): GRPO's generation batch of {prompts} prompts (generation_batch_size / "
+            f"num_generations, over all {size * trainer._dp[0]} processes) does not divide over the "
+            f"{trainer._dp[0]} data-parallel replica(s) of {size} ranks; make per_device_train_batch_size x "
+            "steps_per_generation a multiple of num_generations.")
+    sampler.batch_size = prompts // size
+    return sampler
 
 
 def _shard_over_data_parallel_ranks(loader, dp_size: int, dp_rank: int):

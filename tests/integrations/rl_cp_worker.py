@@ -13,7 +13,8 @@ Cases (``case:family[:option]``):
 - ``dpo``: ``packed_logprobs(context_parallel(DPOTrainer, size=2))`` trained ``STEPS`` SGD steps (option
   ``reverse``: the factories the other way round; ``lora``: a LoRA policy, its reference the adapter-disabled
   policy), and its evaluation loss after training.
-- ``grpo``: ``packed_logprobs(context_parallel(GRPOTrainer, size=2))``, generation included, KL to the reference.
+- ``grpo``: ``packed_logprobs(context_parallel(GRPOTrainer, size=2))``, generation included, KL to the reference,
+  each generation batch used twice (the old policy's pass), ``GRPO_STEPS`` steps.
 
 Rank 0 writes ``OUT/<case>.pt``; the trainer cases' single-process references are the same builders with ``cp=None``,
 run by the test.
@@ -33,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 STEPS = 2
 GRPO_BATCH = 8  # 4 prompts x 2 generations a step
+# each generation batch used twice (num_iterations=2: the old policy's pass), two generation batches
+GRPO_STEPS = 4
 
 
 def arguments(config_class, out: Path, batch: int, **overrides):
@@ -41,11 +44,11 @@ def arguments(config_class, out: Path, batch: int, **overrides):
     import torch.distributed as dist
 
     launched = dict(ddp_backend="gloo") if dist.is_initialized() else {}
-    return config_class(**launched, **dict(
+    return config_class(**{**launched, **dict(
         output_dir=str(out), per_device_train_batch_size=batch, max_steps=STEPS, seed=0, data_seed=0, logging_steps=1,
         report_to=[], save_strategy="no", use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, bf16=False,
         remove_unused_columns=False, lr_scheduler_type="constant", optim="sgd", learning_rate=0.5, max_grad_norm=0.0,
-    ), **overrides)
+    ), **overrides})
 
 
 def trainer_class(base, cp: int | None, order: str = "packed-outside"):
@@ -100,8 +103,8 @@ def grpo_trainer(family_name: str, out: Path, *, cp: int | None):
         checkpoint(family_name, path)
     if dist.is_initialized():
         dist.barrier()
-    args = arguments(GRPOConfig, out / "out", GRPO_BATCH, num_generations=2, beta=0.1,
-                     max_completion_length=MAX_COMPLETION)
+    args = arguments(GRPOConfig, out / "out", GRPO_BATCH, num_generations=2, beta=0.1, num_iterations=2,
+                     max_completion_length=MAX_COMPLETION, max_steps=GRPO_STEPS)
     return trainer_class(GRPOTrainer, cp)(model=str(path), reward_funcs=reward_length, args=args,
                                           train_dataset=prompts(256), processing_class=word_tokenizer(256))
 
@@ -210,12 +213,15 @@ def trained_and_evaluated(trainer) -> dict:
 def grpo(family_name: str, out: Path) -> dict:
     trainer = grpo_trainer(family_name, out / f"grpo-{family_name}", cp=2)
     trainer.train()
-    return {"losses": losses(trainer), "weights": weights(trainer.model), "completion_lengths": completion_lengths(
-        trainer)}
+    return {"losses": losses(trainer), "weights": weights(trainer.model), **samples(trainer)}
 
 
-def completion_lengths(trainer) -> list[int]:
-    return [int(n) for batch in trainer.recorded_batches for n in batch["completion_mask"].sum(1)]
+def samples(trainer) -> dict:
+    """Every step's prompts and sampled completions (token ids, padding included), and the completions' lengths."""
+    batches = trainer.recorded_batches
+    return {"prompts": [batch["prompt_ids"].tolist() for batch in batches],
+            "completions": [batch["completion_ids"].tolist() for batch in batches],
+            "completion_lengths": [int(n) for batch in batches for n in batch["completion_mask"].sum(1)]}
 
 
 CASES = {"call": call, "dpo": dpo, "grpo": grpo}

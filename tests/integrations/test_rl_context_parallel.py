@@ -64,14 +64,13 @@ def one_process(case: str, path: str) -> dict:
     if kind == "grpo":
         trainer = worker.grpo_trainer(family_name, out, cp=None)
         trainer.train()
-        return {"losses": worker.losses(trainer), "weights": worker.weights(trainer.model),
-                "completion_lengths": worker.completion_lengths(trainer)}
+        return {"losses": worker.losses(trainer), "weights": worker.weights(trainer.model), **worker.samples(trainer)}
     return worker.trained_and_evaluated(
         worker.dpo_trainer(family_name, out, cp=None, option=(option or ["packed-outside"])[0]))
 
 
 def relative_loss_error(got: list[float], want: list[float]) -> float:
-    assert len(got) == len(want) == worker.STEPS, (got, want)
+    assert len(got) == len(want) and len(got) in (worker.STEPS, worker.GRPO_STEPS), (got, want)
     return max(abs(a - b) / abs(b) for a, b in zip(got, want))
 
 
@@ -93,13 +92,14 @@ def test_a_sharded_packed_call_equals_the_unsharded_one_and_the_control_misses(l
 @pytest.mark.parametrize("case", TRAINERS)
 def test_context_parallel_dpo_and_grpo_train_as_one_process(launched, case, tmp_path_factory):
     """DPO (full fine-tuning, a separate reference model, both sharded; LoRA, the reference the adapter-disabled
-    policy) and GRPO (generation on every rank of the group, seeded alike; the reference TRL loads, KL 0.1): every
-    step's loss and the final weights."""
+    policy) and GRPO (generation on every rank of the group, seeded alike; the reference TRL loads, KL 0.1; each
+    generation batch used twice, the second time with the old policy's log-probs): every step's loss, the final
+    weights, DPO's evaluation loss, GRPO's prompts and samples (a group drawing one process's generation batches)."""
     got, want = launched[case], one_process(case, str(tmp_path_factory.getbasetemp()))
     assert relative_loss_error(got["losses"], want["losses"]) <= LOSS_TOLERANCE, (got["losses"], want["losses"])
     assert weight_error(got["weights"], want["weights"]) <= WEIGHT_TOLERANCE
-    if case.startswith("grpo"):
-        assert got["completion_lengths"] == want["completion_lengths"]  # the same samples
+    if case.startswith("grpo"):  # the same prompts in the same steps (each generation used twice), the same samples
+        assert got["prompts"] == want["prompts"] and got["completions"] == want["completions"]
         assert min(got["completion_lengths"]) == 1 and max(got["completion_lengths"]) == 16
     else:
         assert abs(got["eval_loss"] - want["eval_loss"]) / want["eval_loss"] <= LOSS_TOLERANCE
@@ -145,3 +145,22 @@ def test_router_logits_under_context_parallel_are_refused():
     call = PackedModelCall(compilepack.patch(build_tiny(family_named("llama"))), context_parallel=object())
     with pytest.raises(ContextParallelError, match="output_router_logits=True"):
         call(**batch, fused_lm_head=True, output_router_logits=True)
+
+
+def test_grpo_generation_batches_are_sized_per_data_parallel_replica():
+    """TRL sizes GRPO's generation batch over every process; a context-parallel group is one replica, so the
+    repeated batch is the group size times smaller (the trainer runs test this above), and one that does not divide
+    is refused, naming the options."""
+    from types import SimpleNamespace
+
+    from trl.trainer.utils import RepeatSampler
+
+    from compilepack.errors import ContextParallelError
+    from compilepack.integrations.context_parallel_trainer import _per_replica
+
+    trainer = SimpleNamespace(context_parallel_size=2, _dp=(1, 0))
+    sampler = RepeatSampler(list(range(16)), mini_repeat_count=2, batch_size=8, repeat_count=2, seed=0)
+    assert _per_replica(sampler, trainer).batch_size == 4
+    odd = RepeatSampler(list(range(16)), mini_repeat_count=2, batch_size=3, repeat_count=2, seed=0)
+    with pytest.raises(ContextParallelError, match="make per_device_train_batch_size x steps_per_generation"):
+        _per_replica(odd, trainer)
