@@ -202,9 +202,8 @@ def dpo(family_name: str, out: Path, option: str = "packed-outside") -> dict:
 
 def trained_and_evaluated(trainer) -> dict:
     """Losses and weights of the run, and the evaluation loss after it. (Evaluated before training, a PEFT policy
-    would train outside DDP: transformers 5.25's evaluation keeps accelerate's evaluation-mode model as
-    ``model_wrapped``, which train() then takes as already wrapped; measured, each rank then stepped on its own
-    gradient.)"""
+    trained outside DDP: the training steps got the bare PeftModel, and each rank stepped on its own gradient;
+    not yet explained.)"""
     trainer.train()
     eval_loss = trainer.evaluate(eval_dataset=trainer.train_dataset)["eval_loss"]
     return {"losses": losses(trainer), "weights": weights(trainer.model), "eval_loss": eval_loss}
