@@ -43,8 +43,8 @@ left padding (it falls back to padding anyway) and the passes pack, with the bou
 Refused, with a message naming the option: multimodal inputs (``pixel_values`` and the like), prompt-learning PEFT
 (virtual tokens), a padded row with a gap inside its tokens, labels the packed row cannot score (at a padding token
 or at a sequence's first token), trainers with neither seam, a batch a collator packed already (its boundaries
-would have to be read off ``position_ids``), and under context parallelism ``balance=`` (it deals SFT documents)
-and MoE router logits (each rank's would cover its slice only).
+would have to be read off ``position_ids``), and under context parallelism ``balance=`` (it deals SFT documents),
+MoE router logits (each rank's would cover its slice only) and ``torch_compile=True`` (not exact yet).
 """
 
 from __future__ import annotations

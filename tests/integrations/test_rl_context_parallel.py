@@ -164,3 +164,24 @@ def test_grpo_generation_batches_are_sized_per_data_parallel_replica():
     odd = RepeatSampler(list(range(16)), mini_repeat_count=2, batch_size=3, repeat_count=2, seed=0)
     with pytest.raises(ContextParallelError, match="make per_device_train_batch_size x steps_per_generation"):
         _per_replica(odd, trainer)
+
+
+def test_compiled_passes_under_context_parallel_are_refused(tmp_path):
+    """Not exact yet (a LoRA policy's compiled reference pass scored as the policy): refused when the trainer is
+    built, before the launch's mesh and any compute."""
+    from trl import DPOConfig, DPOTrainer
+
+    from compilepack.errors import ContextParallelError
+    from compilepack.integrations import context_parallel, packed_logprobs
+    from compilepack.patching import family_named
+    from tests.families import build_tiny
+    from tests.integrations.test_dpo import pairs
+    from tests.integrations.test_trl import word_tokenizer
+
+    model = build_tiny(family_named("llama"))
+    args = DPOConfig(output_dir=str(tmp_path), bf16=False, report_to=[], use_cpu=True, max_steps=1,
+                     torch_compile=True, torch_compile_backend="aot_eager")
+    with pytest.raises(ContextParallelError, match="torch_compile=True with packed DPO / GRPO passes"):
+        packed_logprobs(context_parallel(DPOTrainer, size=2))(
+            model=model, ref_model=build_tiny(family_named("llama")), args=args,
+            train_dataset=pairs(model.config.vocab_size), processing_class=word_tokenizer(model.config.vocab_size))
