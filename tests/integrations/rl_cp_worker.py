@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 STEPS = 2
 GRPO_BATCH = 8  # 4 prompts x 2 generations a step
-# each generation batch used twice (num_iterations=2: the old policy's pass), two generation batches
-GRPO_STEPS = 4
+# each generation batch used twice (num_iterations=2: the old policy's pass); the third step generates again
+GRPO_STEPS = 3
 
 
 def arguments(config_class, out: Path, batch: int, **overrides):
