@@ -28,24 +28,40 @@ Which passes (the seams, TRL 1.16's line numbers):
 The upstream seam this stands in for: a ``padding_free`` option on both trainers whose collator returns the
 boundaries (``DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_seq_idx=True)``).
 
+Under context parallelism (``packed_logprobs(context_parallel(DPOTrainer, size=2))``, or the two factories the
+other way round) each pass packs the whole batch on every rank of the group as above, cuts the rank's slice of the
+packed row with :func:`~compilepack.distributed.shard_batch` (a padding document to a multiple of the group size,
+global boundaries), runs the slice through the context-parallel model and all-gathers the slices' per-token outputs
+(a functional collective: its backward hands each rank the sum of the group's gradients of its slice) before they
+are put in TRL's layout. Every rank then holds the whole batch's log-probs and computes the same loss; the sum of
+the ranks' gradients is W times the one-process gradient, and DDP's mean over the W ranks gives it exactly (TRL's
+DPO and GRPO losses are not rescaled by the process count, as HF Trainer's token-averaged loss is).
+
+``args.padding_free=True`` (DPO's; GRPO has none in TRL 1.16) is taken as the request to pack: TRL's collator is
+left padding (it falls back to padding anyway) and the passes pack, with the boundaries from the rows' lengths.
+
 Refused, with a message naming the option: multimodal inputs (``pixel_values`` and the like), prompt-learning PEFT
 (virtual tokens), a padded row with a gap inside its tokens, labels the packed row cannot score (at a padding token
-or at a sequence's first token), trainers with neither seam, and :func:`~compilepack.integrations.context_parallel`
-on top (its shards are cut from the collator's batch, which is padded here).
+or at a sequence's first token), trainers with neither seam, a batch a collator packed already (its boundaries
+would have to be read off ``position_ids``), and under context parallelism ``balance=`` (it deals SFT documents),
+MoE router logits (each rank's would cover its slice only) and ``torch_compile=True`` (not exact yet).
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 
 import torch
 
 from ..batch.collators import to_device
-from ..batch.keys import ATTENTION_MASK, IGNORE_INDEX, INPUT_IDS, LABELS, SHIFT_LABELS
+from ..batch.keys import ATTENTION_MASK, IGNORE_INDEX, INPUT_IDS, LABELS, NUM_ITEMS_IN_BATCH, SHIFT_LABELS
 from ..batch.layout import Boundaries
 from ..batch.lengths import boundary_kwargs
-from ..errors import BoundaryError, CompilepackError
+from ..distributed import shard_batch
+from ..distributed.collectives import gather_tokens
+from ..errors import BoundaryError, CompilepackError, ContextParallelError
 from ..patching import is_patched, patch
 
 __all__ = ["PackedLogProbsMixin", "PackedModelCall", "RowSpans", "boundary_kwargs", "packed_logprobs"]
@@ -72,21 +88,26 @@ def packed_logprobs(trainer_class: type) -> type:
 
     See the module docstring for the passes, and what is refused.
     """
-    if not (issubclass(trainer_class, _dpo_trainer()) or hasattr(trainer_class, GRPO_SEAM)):
+    if not scores_padded_batches(trainer_class):
         raise CompilepackError(
             f"packed_logprobs({trainer_class.__name__}): compilepack packs the log-prob passes of TRL's DPOTrainer "
             f"(its {' and '.join(DPO_SEAMS)}) and GRPOTrainer (its {GRPO_SEAM}); {trainer_class.__name__} has "
             "neither. For SFTTrainer use padding_free=True (it packs by itself).")
-    if any(klass.__name__ == "ContextParallelTrainerMixin" for klass in trainer_class.__mro__):
-        raise CompilepackError(
-            f"packed_logprobs({trainer_class.__name__}): context parallelism cuts each rank's shard from the "
-            "collator's batch, which is padded for DPO and GRPO: the packed log-prob passes do not run under "
-            "compilepack.integrations.context_parallel yet. Train without it, or pack with SFTTrainer.")
     return type(f"Packed{trainer_class.__name__}", (PackedLogProbsMixin, trainer_class), {
         "__module__": trainer_class.__module__,
         "__doc__": f"{trainer_class.__name__} whose log-prob passes run packed (compilepack.integrations."
                    "packed_logprobs).",
     })
+
+
+def scores_padded_batches(trainer_class: type) -> bool:
+    """Whether ``trainer_class`` is TRL's DPOTrainer or has GRPOTrainer's seam (what packed_logprobs packs)."""
+    if hasattr(trainer_class, GRPO_SEAM):
+        return True
+    try:
+        return issubclass(trainer_class, _dpo_trainer())
+    except ImportError:  # no TRL: no DPOTrainer either
+        return False
 
 
 def _dpo_trainer() -> type:
@@ -98,6 +119,9 @@ def _dpo_trainer() -> type:
 class PackedLogProbsMixin:
     """The methods :func:`packed_logprobs` puts in front of a TRL trainer class."""
 
+    # read by ContextParallelTrainerMixin: the batches stay padded, each pass shards its own packed row
+    shards_inside_passes = True
+
     def __init__(self, *args, **kwargs):
         # patched before TRL adds its fused head (routed as it is added) and before a precomputation of the
         # reference log-probs; a model TRL loads itself (a path) is patched after
@@ -106,35 +130,67 @@ class PackedLogProbsMixin:
                 _patched(kwargs[key])
         if args and isinstance(args[0], torch.nn.Module):
             _patched(args[0])
+        args, kwargs = _padding_left_to_the_passes(args, kwargs)
         super().__init__(*args, **kwargs)
         _refuse_prompt_learning(self.model)
         for model in (self.model, getattr(self, "ref_model", None)):
             if model is not None:
                 _patched(model)
 
+    def _packed(self, model) -> PackedModelCall:
+        """``model`` as TRL's passes call it, packed (and sharded over the trainer's context-parallel group)."""
+        return PackedModelCall(model, context_parallel=getattr(self, "context_parallel_group", None),
+                               pad_token_id=_pad_token_id(self))
+
     # ------------------------------------------------------------------------------------------ GRPO
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
         """TRL's own, with every model call packed (its chunks of ``batch_size`` rows, each one packed row)."""
         return super()._get_per_token_logps_and_entropies(
-            PackedModelCall(model), input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+            self._packed(model), input_ids, attention_mask, logits_to_keep, *args, **kwargs)
 
     # ------------------------------------------------------------------------------------------ DPO
 
     def compute_ref_log_probs(self, model, inputs):
         """TRL's own (adapters disabled for a PEFT policy without a reference), the call packed."""
-        return super().compute_ref_log_probs(PackedModelCall(model), inputs)
+        return super().compute_ref_log_probs(self._packed(model), inputs)
 
     def _compute_loss(self, model, inputs, *args, **kwargs):
         if not isinstance(self, _dpo_trainer()):  # GRPO's scores through _get_per_token_logps_and_entropies
             return super()._compute_loss(model, inputs, *args, **kwargs)
         if self.precompute_ref_logps:  # the reference's log-probs are in the batch (computed packed)
-            return super()._compute_loss(PackedModelCall(model), inputs, *args, **kwargs)
+            return super()._compute_loss(self._packed(model), inputs, *args, **kwargs)
         reference = self.ref_model if self.ref_model is not None else self.model
         ref_chosen, ref_rejected = self.compute_ref_log_probs(reference, inputs)
         inputs = {**inputs, "ref_chosen_logps": ref_chosen, "ref_rejected_logps": ref_rejected}
         with _reference_given(self):
-            return super()._compute_loss(PackedModelCall(model), inputs, *args, **kwargs)
+            return super()._compute_loss(self._packed(model), inputs, *args, **kwargs)
+
+
+# where DPOTrainer and GRPOTrainer take their training arguments positionally: (model, ref_model | reward_funcs, args)
+ARGS_POSITION = 2
+
+
+def _padding_left_to_the_passes(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The trainer's arguments with ``padding_free=True`` taken as the request to pack, which the passes do, exact
+    for hybrids: TRL's collator is kept padding (TRL 1.16's DPO falls back to padding anyway, warning that it does
+    not pack), since a collator that packed would leave only ``position_ids`` to find the sequences by, which
+    compilepack never reads boundaries from. The caller's configuration object is left as given (a copy)."""
+    config = kwargs.get("args", args[ARGS_POSITION] if len(args) > ARGS_POSITION else None)
+    if not getattr(config, "padding_free", False):
+        return args, kwargs
+    config = copy.copy(config)
+    config.padding_free = False
+    if "args" in kwargs:
+        return args, {**kwargs, "args": config}
+    return (*args[:ARGS_POSITION], config, *args[ARGS_POSITION + 1:]), kwargs
+
+
+def _pad_token_id(trainer) -> int:
+    """The token of the padding document that rounds a sharded packed row up to the group size (its outputs are
+    dropped: any token of the vocabulary does)."""
+    token = getattr(getattr(trainer, "processing_class", None), "pad_token_id", None)
+    return token if isinstance(token, int) else 0
 
 
 @contextlib.contextmanager
@@ -232,17 +288,25 @@ PER_TOKEN = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1
 class PackedModelCall:
     """Stands in for a model in TRL's log-prob calls: ``call(input_ids=[B, W], attention_mask=[B, W],
     labels=[B, W], fused_lm_head=True)`` runs the batch's rows as one packed row through ``model`` and returns TRL's
-    ``FusedCausalLMOutput`` in the padded ``[B, W - 1]`` layout (see the module docstring)."""
+    ``FusedCausalLMOutput`` in the padded ``[B, W - 1]`` layout (see the module docstring).
 
-    def __init__(self, model):
+    ``context_parallel``: the :class:`~compilepack.distributed.ContextParallel` group ``model`` was patched with
+    (every rank of the group calls with the same batch): the rank runs its slice of the packed row, and the slices'
+    per-token outputs are gathered; ``pad_token_id``: the token of the padding document that rounds the row up to
+    a multiple of the group size."""
+
+    def __init__(self, model, context_parallel=None, pad_token_id: int = 0):
         self.model = model
+        self.context_parallel = context_parallel
+        self.pad_token_id = pad_token_id
 
     def __call__(self, *, input_ids, labels, attention_mask=None, fused_lm_head=False, **rest):
         if attention_mask is None:
             raise CompilepackError(
                 f"packed_logprobs: a log-prob call without an attention_mask ({sorted(rest)} besides input_ids and "
-                "labels): a batch the trainer's collator packed already (padding_free) is not packed again; turn "
-                "the trainer's padding_free off and let packed_logprobs pack.")
+                "labels): a batch a collator packed already is not packed again (its sequences could only be found "
+                "from position_ids, which compilepack never reads boundaries from). Let the trainer's collator pad "
+                "(packed_logprobs keeps it padding for padding_free=True) and packed_logprobs pack.")
         unknown = sorted(set(rest) - set(PASSED_THROUGH))
         if unknown or not fused_lm_head:
             raise CompilepackError(
@@ -256,8 +320,29 @@ class PackedModelCall:
         spans = RowSpans.of(attention_mask)
         packed = _packed_inputs(input_ids, labels, spans)
         rest["use_cache"] = False
-        outputs = self.model(**to_device(packed, input_ids.device), fused_lm_head=True, **rest)
+        if self.context_parallel is None:
+            outputs = self.model(**to_device(packed, input_ids.device), fused_lm_head=True, **rest)
+        else:
+            outputs = self._run_sharded(packed, input_ids.device, rest)
         return _in_padded_layout(outputs, labels, spans)
+
+    def _run_sharded(self, packed: dict, device: torch.device, rest: dict):
+        """The rank's slice of the packed row through the context-parallel model, and the group's per-token
+        outputs gathered back into the whole row (``[1, N]``; the padding document's dropped)."""
+        cp = self.context_parallel
+        if rest.get("output_router_logits"):
+            raise ContextParallelError(
+                "packed_logprobs under context parallelism: output_router_logits=True (the MoE aux loss) would give "
+                "each rank the load-balancing loss of its slice only; set router_aux_loss_coef=0 (or "
+                "output_router_logits=False) in the model config, or train without context parallelism.")
+        shard = shard_batch(_with_unshifted_labels(packed), cp, pad_token_id=self.pad_token_id)
+        for key in (LABELS, NUM_ITEMS_IN_BATCH):  # the fused head scores shift_labels; TRL's losses count
+            shard.pop(key)
+        outputs = self.model(**to_device(shard, device), fused_lm_head=True, **rest)
+        tokens = packed[INPUT_IDS].shape[1]
+        gathered = {name: _gathered(getattr(outputs, name), cp)[:, :tokens] for name in PER_TOKEN
+                    if getattr(outputs, name, None) is not None}
+        return dataclasses.replace(outputs, **gathered)
 
 
 def _packed_inputs(input_ids: torch.Tensor, labels: torch.Tensor, spans: RowSpans) -> dict:
@@ -273,6 +358,21 @@ def _packed_inputs(input_ids: torch.Tensor, labels: torch.Tensor, spans: RowSpan
     targets[ends] = IGNORE_INDEX
     boundaries = Boundaries.from_lengths(spans.lengths).as_kwargs()
     return {INPUT_IDS: tokens[None], SHIFT_LABELS: targets[None], **boundaries}
+
+
+def _with_unshifted_labels(packed: dict) -> dict:
+    """The packed row for :func:`~compilepack.distributed.shard_batch`, which shifts ``labels`` over the whole row
+    before slicing: ``labels`` whose shift is the row's targets (a sequence's first token is -100 either way)."""
+    targets = packed[SHIFT_LABELS]
+    labels = torch.nn.functional.pad(targets[:, :-1], (1, 0), value=IGNORE_INDEX)
+    return {**{key: value for key, value in packed.items() if key != SHIFT_LABELS}, LABELS: labels}
+
+
+def _gathered(per_token: torch.Tensor, cp) -> torch.Tensor:
+    """``[1, N / W]`` slices of the group -> ``[1, N]``, differentiable (gloo gathers no bools: as bytes)."""
+    if per_token.dtype == torch.bool:
+        return gather_tokens(per_token.to(torch.uint8), cp).bool()
+    return gather_tokens(per_token, cp)
 
 
 def _refuse_unscorable_labels(labels: torch.Tensor, spans: RowSpans) -> None:

@@ -58,9 +58,10 @@ def pairs(vocab_size: int, seed: int = 0):
     return Dataset.from_list(rows)
 
 
-def dpo_trainer(trainer_class, family_name, tmp_path, *, lora=False, compile_=False):
+def dpo_trainer(trainer_class, family_name, tmp_path, *, lora=False, compile_=False, **config):
     """DPO on a tiny model, 3 steps of 3 pairs, fp32; the reference: another initialisation (full fine-tuning), the
-    adapter-disabled policy (LoRA, adapters initialised non-zero so that the two differ from the first step)."""
+    adapter-disabled policy (LoRA, adapters initialised non-zero so that the two differ from the first step);
+    ``config``: more DPOConfig options."""
     torch.manual_seed(0)
     model = build_tiny(family_named(family_name))
     torch.manual_seed(1)
@@ -68,7 +69,7 @@ def dpo_trainer(trainer_class, family_name, tmp_path, *, lora=False, compile_=Fa
     settings = {**TRAINING_ARGS, "max_steps": STEPS, "per_device_train_batch_size": 3, "torch_compile": compile_}
     if not compile_:
         settings["torch_compile_backend"] = None  # a backend alone turns torch_compile back on
-    args = DPOConfig(output_dir=str(tmp_path), bf16=False, max_length=None, **settings)
+    args = DPOConfig(output_dir=str(tmp_path), bf16=False, max_length=None, **settings, **config)
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=LORA[family_name], init_lora_weights=False)
     trainer = recording(trainer_class)(
         model=model, ref_model=ref_model, args=args, train_dataset=pairs(model.config.vocab_size),
@@ -126,6 +127,30 @@ def test_packed_dpo_compiled_no_break(family_name, lora, tmp_path, monkeypatch):
     compiled, counts = compiled_run(make, monkeypatch)
     assert counts == (GRAPHS_PER_RUN[lora], 0)
     assert worst_loss_difference(compiled, eager) <= LOSS_TOLERANCE
+
+
+@pytest.mark.slow  # three Bamba trainers, TRL's padded one on transformers' torch fallbacks: ~55 CPU-s
+def test_padding_free_is_taken_as_the_request_to_pack(tmp_path, monkeypatch):
+    """DPOConfig(padding_free=True), which TRL 1.16 turns off itself: the passes pack (TRL's collator kept padding,
+    the boundaries from the rows' lengths), with the losses of TRL's padded trainer, on a hybrid; the caller's
+    arguments left as given. The control: the boundaries dropped, the losses miss by far."""
+    padded = dpo_trainer(DPOTrainer, "bamba", tmp_path)
+    packed = dpo_trainer(packed_logprobs(DPOTrainer), "bamba", tmp_path, padding_free=True)
+    assert packed.args.padding_free is False and packed.recorded_batches[0]["attention_mask"].eq(0).any()
+    assert worst_loss_difference(packed, padded) <= LOSS_TOLERANCE, (packed.recorded_losses, padded.recorded_losses)
+
+    without_boundaries(monkeypatch)
+    mixed = dpo_trainer(packed_logprobs(DPOTrainer), "bamba", tmp_path, padding_free=True)
+    assert worst_loss_difference(mixed, padded) > MIXED, (mixed.recorded_losses, padded.recorded_losses)
+
+
+def test_padding_free_leaves_the_callers_arguments_as_given(tmp_path):
+    model = build_tiny(family_named("llama"))
+    args = DPOConfig(output_dir=str(tmp_path), bf16=False, report_to=[], use_cpu=True, max_steps=1, padding_free=True)
+    trainer = packed_logprobs(DPOTrainer)(model, copy.deepcopy(model), args,  # positionally, as TRL's signature
+                                          train_dataset=pairs(model.config.vocab_size),
+                                          processing_class=word_tokenizer(model.config.vocab_size))
+    assert args.padding_free is True and trainer.args.padding_free is False
 
 
 def test_refused_options_name_themselves(tmp_path):
