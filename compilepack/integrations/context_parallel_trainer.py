@@ -269,6 +269,10 @@ class ContextParallelTrainerMixin:
 
     # ------------------------------------------------------------------------------------------ steps
 
+    def training_step(self, model, inputs, *args, **kwargs):
+        refuse_unsynchronised(model, self.args.world_size)
+        return super().training_step(model, inputs, *args, **kwargs)
+
     def _prepare_context_parallel_inputs(self, model, inputs):
         """The trainer's own hook for context parallelism, called on a global batch after it counted the batch's
         targets (``num_items_in_batch``) and before the forward, in training and evaluation alike: here it cuts
@@ -364,6 +368,29 @@ def _refuse_compiled_packed_passes(trainer) -> None:
             "not supported yet (measured: a LoRA policy's adapter-disabled reference pass, compiled, scored as the "
             "policy). Train these eager under context parallelism (torch_compile=False), or compile them without "
             "context parallelism (packed_logprobs(DPOTrainer) alone compiles to one graph).")
+
+
+def refuse_unsynchronised(model: torch.nn.Module, world_size: int) -> None:
+    """Each rank's gradient covers its slice of the rows only (and the RL passes' gather hands it the group's sum):
+    the update is right only once DDP, FSDP or DeepSpeed averages the gradients over every rank. A trainer whose
+    model reaches the training step unwrapped (seen: a PEFT policy under HF Trainer, ``evaluate()`` called before
+    ``train()``, which keeps the evaluation's unwrapped model and skips accelerate's DDP) would step each rank on
+    its own gradient, silently: refused instead."""
+    if world_size <= 1 or _synchronises_gradients(model):
+        return
+    raise ContextParallelError(
+        f"the model reached the training step as a bare {type(model).__name__}, not wrapped by DDP, FSDP or "
+        f"DeepSpeed, with {world_size} processes: under context parallelism each rank's gradient covers its slice "
+        "only, so the ranks must average them. HF Trainer skips accelerate's wrapping when evaluate() ran before "
+        "train() on some models (a PEFT policy): call train() first, or pass the model already wrapped.")
+
+
+def _synchronises_gradients(model: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    wrappers = (DistributedDataParallel, FullyShardedDataParallel, FSDPModule)
+    return isinstance(model, wrappers) or type(model).__name__ == "DeepSpeedEngine"
 
 
 def _refuse_other_sequence_parallelism(holder, where: str) -> None:

@@ -15,6 +15,8 @@ Cases (``case:family[:option]``):
   policy), and its evaluation loss after training.
 - ``grpo``: ``packed_logprobs(context_parallel(GRPOTrainer, size=2))``, generation included, KL to the reference,
   each generation batch used twice (the old policy's pass), ``GRPO_STEPS`` steps.
+- ``evaluated_first``: the LoRA DPO case with ``evaluate()`` before ``train()``, which HF Trainer then trains
+  outside DDP: the refusal's message, or the losses if it trained.
 
 Rank 0 writes ``OUT/<case>.pt``; the trainer cases' single-process references are the same builders with ``cp=None``,
 run by the test.
@@ -201,9 +203,7 @@ def dpo(family_name: str, out: Path, option: str = "packed-outside") -> dict:
 
 
 def trained_and_evaluated(trainer) -> dict:
-    """Losses and weights of the run, and the evaluation loss after it. (Evaluated before training, a PEFT policy
-    trained outside DDP: the training steps got the bare PeftModel, and each rank stepped on its own gradient;
-    not yet explained.)"""
+    """Losses and weights of the run, and the evaluation loss after it (before it, see ``evaluated_first``)."""
     trainer.train()
     eval_loss = trainer.evaluate(eval_dataset=trainer.train_dataset)["eval_loss"]
     return {"losses": losses(trainer), "weights": weights(trainer.model), "eval_loss": eval_loss}
@@ -223,7 +223,21 @@ def samples(trainer) -> dict:
             "completion_lengths": [int(n) for batch in batches for n in batch["completion_mask"].sum(1)]}
 
 
-CASES = {"call": call, "dpo": dpo, "grpo": grpo}
+def evaluated_first(family_name: str, out: Path) -> dict:
+    """A PEFT policy evaluated before training: HF Trainer keeps the evaluation's unwrapped model and skips
+    accelerate's DDP, so each rank would step on its own gradient; the context-parallel trainer refuses it."""
+    from compilepack.errors import ContextParallelError
+
+    trainer = dpo_trainer(family_name, out / f"evaluated-first-{family_name}", cp=2, option="lora")
+    trainer.evaluate(eval_dataset=trainer.train_dataset)
+    try:
+        trainer.train()
+    except ContextParallelError as refusal:
+        return {"refused": str(refusal)}
+    return {"losses": losses(trainer)}
+
+
+CASES = {"call": call, "dpo": dpo, "grpo": grpo, "evaluated_first": evaluated_first}
 
 
 def main() -> None:

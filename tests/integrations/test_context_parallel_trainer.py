@@ -281,3 +281,17 @@ def test_the_modes_name_their_layout_on_the_class():
     assert hybrid.context_parallel_layout == Layout(8, "hybrid", 2, "log")
     assert hybrid.context_parallel_size == 8 and "(hybrid) over groups of 8" in hybrid.__doc__
     assert context_parallel(Trainer, size=2).context_parallel_layout == Layout(2)
+
+
+def test_a_model_that_reaches_training_unwrapped_is_refused_with_several_processes():
+    """Each rank's gradient covers its slice only: without DDP / FSDP averaging them, every rank would step on its
+    own, silently (seen with a PEFT policy when evaluate() ran before train()). One process needs no wrapper."""
+    from compilepack.errors import ContextParallelError
+    from compilepack.integrations.context_parallel_trainer import refuse_unsynchronised
+    from torch.nn.parallel import DistributedDataParallel
+
+    bare = torch.nn.Linear(2, 2)
+    with pytest.raises(ContextParallelError, match="bare Linear, not wrapped by DDP.*call train\\(\\) first"):
+        refuse_unsynchronised(bare, world_size=2)
+    refuse_unsynchronised(bare, world_size=1)
+    refuse_unsynchronised(DistributedDataParallel.__new__(DistributedDataParallel), world_size=2)  # its class only

@@ -49,7 +49,7 @@ def launched(tmp_path_factory) -> dict:
     """One torchrun launch of every case (about 15 s on 2 cores; the file about 40 s)."""
     out = tmp_path_factory.mktemp("rl-cp")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    cases = CALLS + TRAINERS
+    cases = CALLS + TRAINERS + ["evaluated_first:llama"]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                str(Path(worker.__file__)), "--out", str(out), "--cases", ",".join(cases)]
     result = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -104,6 +104,15 @@ def test_context_parallel_dpo_and_grpo_train_as_one_process(launched, case, tmp_
         assert min(got["completion_lengths"]) == 1 and max(got["completion_lengths"]) == 16
     else:
         assert abs(got["eval_loss"] - want["eval_loss"]) / want["eval_loss"] <= LOSS_TOLERANCE
+
+
+@pytest.mark.multiprocess
+def test_a_peft_policy_evaluated_before_training_is_refused_not_trained_apart(launched):
+    """HF Trainer trains outside DDP after an evaluate() before train() (a PEFT policy): each rank would step on its
+    own gradient. Refused at the first training step (before the guard it trained: each rank's weights moved by
+    twice the one-process gradient)."""
+    got = launched["evaluated_first:llama"]
+    assert "bare PeftModel, not wrapped by DDP" in got.get("refused", ""), got
 
 
 # ------------------------------------------------------------------------------------------------ in one process
