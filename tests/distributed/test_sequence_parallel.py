@@ -1,6 +1,6 @@
 """Context parallelism over tokens (sequence mode) and the hybrid layout (Ulysses inside groups of 2, sequence across
-them), on CPU processes (gloo): W = 2 (every family over tokens) and 4 (a selection) in the main suite; W = 8 (every
-family in both modes) and every family hybrid at W = 4 in the ``cp8`` stage.
+them), on CPU processes (gloo): W = 2 and 4 (one family per mixer kind, and a selection) in the main suite; every
+family over tokens at W = 8 and hybrid at W = 4 (one family per mixer kind hybrid at W = 8) in the ``cp8`` stage.
 
 Each world is one spawn (``worker.py`` running ``sequence_worker.py``'s checks) whose figures the tests assert on.
 Tolerances as test_context_parallel.py: 1e-5 where only attention mixes tokens, 1e-4 with other mixers (logits
@@ -36,6 +36,9 @@ ATTENTION_ONLY = {"llama", "mistral", "qwen2", "qwen3"}  # nothing to pass but k
 FEW_HEADS = ["llama", "qwen3_next", "qwen3_5", "bamba"]  # 2 query heads, 1 kv head: W = 4 and 8 exceed every count
 OPS = ["attention", "attention_window", "causal_conv1d", "gated_delta_rule", "kimi_delta_attention", "mamba2_scan"]
 COMMUNICATION = ["llama", "qwen3_next", "bamba"]  # one family per mixer kind
+# one family per mixer kind, KDA and the short conv included: each mixer's code under CP (every family runs at W = 8
+# over tokens and at W = 4 hybrid in the cp8 stage: a family adds its wiring, which those cover)
+MIXER_KINDS = [*COMMUNICATION, "kimi_linear", "lfm2"]
 OP_TOLERANCE = 1e-5
 
 
@@ -67,7 +70,8 @@ MAIN = {
     2: [_check("ops_equality", "sequence"), _check("refusals"), _check("compile_model", "llama", "sequence"),
         _check("two_state_passes"),
         _check("compile_ops", "sequence"), _check("conv_short_slices")]
-       + [_check("family_equality", f, "sequence") for f in FAMILIES]
+       # W = 2 adds no code path to W = 8's (which has a first and a last rank too): every family there, in cp8
+       + [_check("family_equality", f, "sequence") for f in MIXER_KINDS]
        + [_check("communication", f, "sequence") for f in COMMUNICATION],
     4: [_check("ops_equality", "sequence"), _check("ops_equality", "hybrid"),
         _check("ops_equality", "sequence", "sequential"), _check("ops_equality", "sequence", "log"),
@@ -113,8 +117,8 @@ def assert_family_equals_one_process(key: str, figures: dict) -> None:
 
 
 def test_families_over_tokens_equal_one_process(results):
-    """Every family CP covers, over tokens (W = 2), and a selection over tokens and hybrid, and with fewer heads than
-    ranks (W = 4)."""
+    """One family per mixer kind over tokens (W = 2), and a selection over tokens and hybrid, and with fewer heads
+    than ranks (W = 4); every family in the cp8 stage."""
     checked = _families_in(results)
     assert checked
     for key, figures in checked:
@@ -219,13 +223,15 @@ def test_sequence_mode_accepts_heads_ulysses_refuses(world2):
 STAGE = {
     2: [_check("communication", f, "sequence", s) for f in COMMUNICATION for s in ("sequential", "log")],
     # W = 4 over tokens adds no code path to W = 8's (first, middle and last ranks, documents over several slices):
-    # every family over tokens at W = 2 (the main suite) and 8; at 4, the main suite's one family per mixer kind
+    # every family over tokens at 8; at 2 and 4, the main suite's one family per mixer kind. Hybrid: every family at
+    # 4 (2 x 2); at 8 (2 x 4: middle sequence ranks, which over tokens every family has) one per mixer kind
     4: [_check("family_equality", f, "hybrid") for f in FAMILIES]
        + [_check("family_equality", f, "sequence", "few") for f in FEW_HEADS]
        + [_check("compile_model", "llama", "hybrid"), _check("compile_ops", "hybrid")],
     8: [_check("ops_equality", "sequence"), _check("ops_equality", "hybrid"),
         _check("ops_equality", "sequence", "sequential"), _check("conv_short_slices")]
-       + [_check("family_equality", f, mode) for f in FAMILIES for mode in ("sequence", "hybrid")]
+       + [_check("family_equality", f, "sequence") for f in FAMILIES]
+       + [_check("family_equality", f, "hybrid") for f in MIXER_KINDS]
        + [_check("family_equality", f, mode, "few") for f in FEW_HEADS for mode in ("sequence", "hybrid")]
        + [_check("communication", f, mode) for f in COMMUNICATION for mode in ("sequence", "hybrid")]
        + [_check("communication", f, "sequence", "sequential") for f in COMMUNICATION]
@@ -243,10 +249,10 @@ def stage(tmp_path_factory) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [4, 8])
 def test_cp8_every_family_equals_one_process(stage, world):
-    """Every family CP covers: over tokens at W = 8 (W = 2: the main suite), hybrid at W = 4 (2 x 2) and 8 (2 x 4);
-    the fewer-heads configs (2 query heads, 1 kv head) at W = 4 and 8, where W exceeds every head count."""
+    """Every family CP covers: over tokens at W = 8, hybrid at W = 4 (2 x 2); one per mixer kind hybrid at W = 8
+    (2 x 4); the fewer-heads configs (2 query heads, 1 kv head) at W = 4 and 8, where W exceeds every head count."""
     checked = _families_in(stage[world])
-    expected = (len(FAMILIES) + len(FEW_HEADS)) * {4: 1, 8: 2}[world]
+    expected = {4: len(FAMILIES) + len(FEW_HEADS), 8: len(FAMILIES) + len(MIXER_KINDS) + 2 * len(FEW_HEADS)}[world]
     assert len(checked) == expected
     for key, figures in checked:
         assert_family_equals_one_process(key, figures)
