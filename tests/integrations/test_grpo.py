@@ -63,15 +63,15 @@ def checkpoint(family_name: str, path) -> str:
     return str(path)
 
 
-def grpo_trainer(trainer_class, family_name, tmp_path, *, lora=False, compile_=False):
+def grpo_trainer(trainer_class, family_name, tmp_path, *, lora=False, compile_=False, **config):
     """GRPO, 4 steps of 4 prompts x 2 completions, each batch used twice (the old policy's pass), fp32, KL to the
-    reference (beta 0.1)."""
+    reference (beta 0.1); ``config``: more GRPOConfig options."""
     path = checkpoint(family_name, tmp_path / "model")
     settings = {**TRAINING_ARGS, "max_steps": STEPS, "per_device_train_batch_size": 8, "torch_compile": compile_}
     if not compile_:
         settings["torch_compile_backend"] = None
     args = GRPOConfig(output_dir=str(tmp_path / "out"), bf16=False, num_generations=2, beta=0.1, num_iterations=2,
-                      max_completion_length=MAX_COMPLETION, seed=0, **settings)
+                      max_completion_length=MAX_COMPLETION, seed=0, **settings, **config)
     tokenizer = word_tokenizer(256)
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=LORA[family_name], init_lora_weights=False)
     trainer = recording(trainer_class)(
@@ -80,6 +80,18 @@ def grpo_trainer(trainer_class, family_name, tmp_path, *, lora=False, compile_=F
     trainer.train()
     assert len(trainer.recorded_losses) == STEPS
     return trainer
+
+
+@pytest.mark.slow  # two Qwen3-Next trainers
+def test_qwen3_next_compiles_with_the_router_aux_loss_off(tmp_path, monkeypatch):
+    """As test_dpo's: without the router aux loss, TRL asks no router logits and the packed GRPO passes compile to
+    one graph (LoRA), no break, with the eager losses."""
+    make = functools.partial(grpo_trainer, packed_logprobs(GRPOTrainer), "qwen3_next", tmp_path, lora=True,
+                             router_aux_loss_coef=0.0)
+    eager = make()
+    compiled, counts = compiled_run(make, monkeypatch)
+    assert counts == (GRAPHS_PER_RUN[True], 0)
+    assert worst_loss_difference(compiled, eager) <= LOSS_TOLERANCE
 
 
 def worst_loss_difference(trainer, other) -> float:
