@@ -119,3 +119,20 @@ def dynamo_counts() -> tuple[int, int]:
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+def run_launched_cases(specs: str, out, run) -> None:
+    """A torchrun worker's loop: each comma-separated case spec run on every rank (``run(spec)``) inside one gloo
+    group, rank 0 saving the result to ``out/<spec, ':' as '-'>.pt``, the ranks meeting after each case."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        for spec in specs.split(","):
+            result = run(spec)
+            if dist.get_rank() == 0:
+                torch.save(result, out / f"{spec.replace(':', '-')}.pt")
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()

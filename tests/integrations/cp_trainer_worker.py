@@ -304,24 +304,19 @@ CASES = {"run": run, "chunked": chunked, "checkpointing": checkpointing, "contro
 
 
 def main() -> None:
-    import torch.distributed as dist
+    from tests.integrations.common import run_launched_cases
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--cp", type=int, required=True)
     parser.add_argument("--cases", required=True, help="comma-separated case:kind:family[:mode]")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    try:
-        for spec in args.cases.split(","):
-            case, kind, family_name, *mode = spec.split(":")
-            result = CASES[case](kind, family_name, args.out, args.cp, **({"mode": mode[0]} if mode else {}))
-            if dist.get_rank() == 0:
-                torch.save(result, args.out / f"{spec.replace(':', '-')}.pt")
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
+
+    def run_spec(spec: str):
+        case, kind, family_name, *mode = spec.split(":")
+        return CASES[case](kind, family_name, args.out, args.cp, **({"mode": mode[0]} if mode else {}))
+
+    run_launched_cases(args.cases, args.out, run_spec)
 
 
 if __name__ == "__main__":

@@ -241,23 +241,18 @@ CASES = {"call": call, "dpo": dpo, "grpo": grpo, "evaluated_first": evaluated_fi
 
 
 def main() -> None:
-    import torch.distributed as dist
+    from tests.integrations.common import run_launched_cases
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--cases", required=True, help="comma-separated case:family[:option]")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    try:
-        for spec in args.cases.split(","):
-            case, family_name, *option = spec.split(":")
-            result = CASES[case](family_name, args.out, *option)
-            if dist.get_rank() == 0:
-                torch.save(result, args.out / f"{spec.replace(':', '-')}.pt")
-            dist.barrier()
-    finally:
-        dist.destroy_process_group()
+
+    def run(spec: str):
+        case, family_name, *option = spec.split(":")
+        return CASES[case](family_name, args.out, *option)
+
+    run_launched_cases(args.cases, args.out, run)
 
 
 if __name__ == "__main__":
