@@ -12,6 +12,7 @@ import copy
 import json
 import os
 import sys
+import time
 import traceback
 import types
 from pathlib import Path
@@ -42,17 +43,21 @@ def _main(rank: int, world: int, checks: list[tuple], rendezvous: str, out: str)
     os.environ["HF_HUB_OFFLINE"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
-    results = {}
+    results, seconds = {}, {}
     try:
         for name, *args in checks:
             key = ":".join([name, *map(str, args)])
+            start = time.perf_counter()
             try:
                 results[key] = _check(name)(*args)
             except Exception:  # one failing check should not hide the others' figures
                 results[key] = {"error": traceback.format_exc()}
             torch._dynamo.reset()
+            seconds[key] = round(time.perf_counter() - start, 2)
         if rank == 0:
             Path(out, "results.json").write_text(json.dumps(results, indent=1))
+            # what each check cost (rank 0's wall clock), to choose what a stage runs; no test reads it
+            Path(out, "seconds.json").write_text(json.dumps(seconds, indent=1))
         dist.barrier()
     finally:
         dist.destroy_process_group()
