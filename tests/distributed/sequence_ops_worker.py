@@ -200,14 +200,14 @@ def conv_short_slices() -> dict:
 # ------------------------------------------------------------------------------------------------ compiling
 
 
-def compile_ops(mode: str) -> dict:
+def compile_ops(mode: str, state_pass: str = "auto") -> dict:
     """The linear mixers' and the conv's context-parallel paths (conv, gated delta rule, KDA, Mamba2 scan, the state
     passes and halos included) in one function compiled with aot_eager (fullgraph, dynamic), the boundaries among
     its inputs as in a model, forward + backward, over three batches of different row lengths and documents: one
     graph per rank, compiled once; compiled == eager."""
     from compilepack import Boundaries
 
-    cp = context_parallel(mode)
+    cp = context_parallel(mode, state_pass)
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     names = ["causal_conv1d", "gated_delta_rule", "kimi_delta_attention", "mamba2_scan"]
 
