@@ -23,7 +23,7 @@ from compilepack.integrations import packed_logprobs
 from compilepack.patching import family_named
 from tests.families import build_tiny
 from tests.integrations.common import TRAINING_ARGS, recording
-from tests.integrations.test_dpo import COMPILED_FAMILIES, GRAPHS_PER_RUN, LORA, compiled_run
+from tests.integrations.test_dpo import GRAPHS_PER_RUN, LORA, compiled_run, compiled_runs
 from tests.integrations.test_rl_adapters import without_boundaries
 from tests.integrations.test_trl import word_tokenizer
 
@@ -121,8 +121,7 @@ def test_packed_grpo_losses_equal_trls_padded_trainer(family_name, lora, tmp_pat
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-@pytest.mark.parametrize("family_name", COMPILED_FAMILIES)
+@pytest.mark.parametrize(("family_name", "lora"), compiled_runs("grpo"))
 def test_packed_grpo_compiled_one_graph_no_break(family_name, lora, tmp_path, monkeypatch):
     """torch_compile=True over 4 steps of varying lengths: one graph per model (``GRAPHS_PER_RUN``), no break, no
     recompile; the losses are the eager packed trainer's."""
