@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tests.distributed.worker import _max_over_ranks, _world, op_against_one_process
+from tests.distributed.worker import _max_over_ranks, _world, only_tokens_dynamic, op_against_one_process, static
 
 
 # ------------------------------------------------------------------------------------------------ op level
@@ -123,8 +123,9 @@ def _without_cp(name: str, inputs: list, params: list) -> torch.Tensor:
 
 def ops_compile() -> dict:
     """The hybrids' CP ops (conv, gated delta rule, Mamba2 scan; attention is compiled in compile_check's Llama) in
-    one function compiled with aot_eager (fullgraph, dynamic), forward + backward, over three row lengths: the
-    all-to-alls stay in one graph; compiled == eager."""
+    one function compiled with aot_eager (fullgraph, dynamic; the heads, widths and parameters static, as in a model:
+    ``worker.only_tokens_dynamic``), forward + backward, over three row lengths: the all-to-alls stay in one graph;
+    compiled == eager."""
     import torch._dynamo.testing
 
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
@@ -146,7 +147,8 @@ def ops_compile() -> dict:
                 at += n
             return torch.stack(outs).sum()
 
-        flat = [t[:, local].clone().requires_grad_() if i < len(inputs) else t.clone().requires_grad_()
+        flat = [only_tokens_dynamic(t[:, local].clone().requires_grad_()) if i < len(inputs)
+                else static(t.clone().requires_grad_())
                 for _, _, inputs, params in cases.values() for i, t in enumerate(inputs + params)]
         compiled = torch.compile(run_all, backend=counter, fullgraph=True, dynamic=True)(*flat)
         compiled_grads = torch.autograd.grad(compiled, flat)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed.sequence_worker import _compiles, _without_passing, context_parallel
-from tests.distributed.worker import _max_over_ranks, op_against_one_process
+from tests.distributed.worker import _max_over_ranks, only_tokens_dynamic, op_against_one_process, static
 
 
 # ------------------------------------------------------------------------------------------------ ops
@@ -202,9 +202,10 @@ def conv_short_slices() -> dict:
 
 def compile_ops(mode: str, state_pass: str = "auto") -> dict:
     """The linear mixers' and the conv's context-parallel paths (conv, gated delta rule, KDA, Mamba2 scan, the state
-    passes and halos included) in one function compiled with aot_eager (fullgraph, dynamic), the boundaries among
-    its inputs as in a model, forward + backward, over three batches of different row lengths and documents: one
-    graph per rank, compiled once; compiled == eager."""
+    passes and halos included) in one function compiled with aot_eager (fullgraph, dynamic; the heads, widths and
+    parameters static, as in a model: ``worker.only_tokens_dynamic``), the boundaries among its inputs as in a model,
+    forward + backward, over three batches of different row lengths and documents: one graph per rank, compiled
+    once; compiled == eager."""
     from compilepack import Boundaries
 
     cp = context_parallel(mode, state_pass)
@@ -230,8 +231,8 @@ def compile_ops(mode: str, state_pass: str = "auto") -> dict:
         flat, counts = [], []
         for name in names:
             tensors, params = inputs[name]
-            flat += [t[:, local].clone().requires_grad_() for t in tensors]
-            flat += [p.clone().requires_grad_() for p in params]
+            flat += [only_tokens_dynamic(t[:, local].clone().requires_grad_()) for t in tensors]
+            flat += [static(p.clone().requires_grad_()) for p in params]
             counts.append(len(tensors) + len(params))
         compiled = compiled_function(b.cu_seqlens, b.seq_idx, *flat)
         compiled_grads = torch.autograd.grad(compiled, flat)

@@ -9,7 +9,7 @@ absolute. Every equality has its control, which must miss by far (100x the toler
 pass and the halo skipped (every rank's first document from a zero state, the conv reading zeros before the slice),
 every rank on its slice alone (attention), a rank's gradient before the sum.
 
-The cp8 stage: ``COMPILEPACK_CP8=1 python -m pytest -q -p no:cacheprovider -m cp8 tests/distributed`` (about 6
+The cp8 stage: ``COMPILEPACK_CP8=1 python -m pytest -q -p no:cacheprovider -m cp8 tests/distributed`` (about 4
 minutes on 2 cores).
 """
 

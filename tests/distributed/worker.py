@@ -87,6 +87,26 @@ def _gather_tokens(local: torch.Tensor, length: int, group=None) -> torch.Tensor
     return torch.cat(parts, dim=1)[:, :length]
 
 
+# Under dynamic=True every size of a compiled function's inputs is symbolic. A model's heads, widths and parameters are
+# static (dynamo keeps parameters static), and symbolic ones make each head split of the all-to-alls a sympy proof:
+# several times the tracing time (measured: the hybrid ops at W = 4, 128 s against 21). The op-level compile checks
+# mark them so, leaving the tokens (and the boundaries' sizes) dynamic as in a model.
+
+
+def only_tokens_dynamic(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (``[rows, tokens, ...]``) with every dimension but the tokens static to the compiler."""
+    for dim in range(tensor.dim()):
+        if dim != 1:
+            torch._dynamo.mark_static(tensor, dim)
+    return tensor
+
+
+def static(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with every dimension static to the compiler (a parameter's)."""
+    torch._dynamo.mark_static(tensor)
+    return tensor
+
+
 def _summed_grads(model: torch.nn.Module, group=None) -> dict[str, torch.Tensor]:
     """Every parameter's gradient summed over the ranks: one all-reduce of them all, flattened (one collective per
     parameter costs more than the step at W = 8 on 2 cores)."""
