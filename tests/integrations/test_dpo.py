@@ -128,6 +128,15 @@ def compiled_run(make_trainer, monkeypatch):
     return trainer, dynamo_counts()
 
 
+def assert_compiled_run_equals_eager(make_trainer, lora: bool, monkeypatch) -> None:
+    """``make_trainer()`` trained eager, then compiled (:func:`compiled_run`): ``GRAPHS_PER_RUN[lora]`` graphs, no
+    break, and every loss the eager run's."""
+    eager = make_trainer()
+    compiled, counts = compiled_run(make_trainer, monkeypatch)
+    assert counts == (GRAPHS_PER_RUN[lora], 0)
+    assert worst_loss_difference(compiled, eager) <= LOSS_TOLERANCE
+
+
 def test_compiled_runs_cover_each_family_per_trainer_and_per_kind_of_fine_tuning():
     """The pairwise choice above stays whole when a family joins ``FAMILIES``."""
     runs = COMPILED_RUNS["dpo"] + COMPILED_RUNS["grpo"]
@@ -143,10 +152,7 @@ def test_packed_dpo_compiled_no_break(family_name, lora, tmp_path, monkeypatch):
     """torch_compile=True (accelerate's fullgraph + dynamic variables): no graph break over 3 batches of varying
     lengths, the graph count as measured, and the losses those of the eager packed trainer."""
     make = functools.partial(dpo_trainer, packed_logprobs(DPOTrainer), family_name, tmp_path, lora=lora)
-    eager = make()
-    compiled, counts = compiled_run(make, monkeypatch)
-    assert counts == (GRAPHS_PER_RUN[lora], 0)
-    assert worst_loss_difference(compiled, eager) <= LOSS_TOLERANCE
+    assert_compiled_run_equals_eager(make, lora, monkeypatch)
 
 
 @pytest.mark.slow  # two Qwen3-Next trainers: ~30 CPU-s
@@ -157,10 +163,7 @@ def test_qwen3_next_compiles_with_the_router_aux_loss_off(tmp_path, monkeypatch)
     "Unsupported context manager"), so this test notices the day transformers or TRL stop breaking it."""
     make = functools.partial(dpo_trainer, packed_logprobs(DPOTrainer), "qwen3_next", tmp_path, lora=True,
                              router_aux_loss_coef=0.0)
-    eager = make()
-    compiled, counts = compiled_run(make, monkeypatch)
-    assert counts == (GRAPHS_PER_RUN[True], 0)
-    assert worst_loss_difference(compiled, eager) <= LOSS_TOLERANCE
+    assert_compiled_run_equals_eager(make, True, monkeypatch)
     with pytest.raises(Exception, match="Unsupported context manager"):
         compiled_run(functools.partial(dpo_trainer, packed_logprobs(DPOTrainer), "qwen3_next", tmp_path, lora=True),
                      monkeypatch)

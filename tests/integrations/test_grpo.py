@@ -23,7 +23,7 @@ from compilepack.integrations import packed_logprobs
 from compilepack.patching import family_named
 from tests.families import build_tiny
 from tests.integrations.common import TRAINING_ARGS, recording
-from tests.integrations.test_dpo import GRAPHS_PER_RUN, LORA, compiled_run, compiled_runs
+from tests.integrations.test_dpo import LORA, assert_compiled_run_equals_eager, compiled_runs, worst_loss_difference
 from tests.integrations.test_rl_adapters import without_boundaries
 from tests.integrations.test_trl import word_tokenizer
 
@@ -88,14 +88,7 @@ def test_qwen3_next_compiles_with_the_router_aux_loss_off(tmp_path, monkeypatch)
     one graph (LoRA), no break, with the eager losses."""
     make = functools.partial(grpo_trainer, packed_logprobs(GRPOTrainer), "qwen3_next", tmp_path, lora=True,
                              router_aux_loss_coef=0.0)
-    eager = make()
-    compiled, counts = compiled_run(make, monkeypatch)
-    assert counts == (GRAPHS_PER_RUN[True], 0)
-    assert worst_loss_difference(compiled, eager) <= LOSS_TOLERANCE
-
-
-def worst_loss_difference(trainer, other) -> float:
-    return max(abs(a - b) for a, b in zip(trainer.recorded_losses, other.recorded_losses))
+    assert_compiled_run_equals_eager(make, True, monkeypatch)
 
 
 def completion_lengths(trainer) -> list[int]:
@@ -126,7 +119,4 @@ def test_packed_grpo_compiled_one_graph_no_break(family_name, lora, tmp_path, mo
     """torch_compile=True over 4 steps of varying lengths: one graph per model (``GRAPHS_PER_RUN``), no break, no
     recompile; the losses are the eager packed trainer's."""
     make = functools.partial(grpo_trainer, packed_logprobs(GRPOTrainer), family_name, tmp_path, lora=lora)
-    eager = make()
-    compiled, counts = compiled_run(make, monkeypatch)
-    assert counts == (GRAPHS_PER_RUN[lora], 0)
-    assert worst_loss_difference(compiled, eager) <= LOSS_TOLERANCE
+    assert_compiled_run_equals_eager(make, lora, monkeypatch)
